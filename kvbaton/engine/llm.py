@@ -1,0 +1,79 @@
+"""Offline batch API in vLLM's shape: `LLM(model).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+
+from kvbaton.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvbaton.engine.engine import LLMEngine, PromptType
+from kvbaton.engine.request_output import RequestOutput
+from kvbaton.engine.sampling_params import SamplingParams
+
+_CACHE_FIELDS = {f.name for f in fields(CacheConfig)}
+_SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
+
+
+class LLM:
+    """Keyword arguments are vLLM's where they exist (`max_model_len`, `block_size`,
+    `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`, ...)."""
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs) -> None:
+        cache = CacheConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS})
+        scheduler = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _SCHEDULER_FIELDS})
+        self.engine = LLMEngine(EngineConfig(model=model, cache=cache, scheduler=scheduler, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer.hf
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in the order of `prompts`.
+
+        All prompts are validated before any runs, so one bad prompt raises and costs nothing.
+        """
+        prompts = self._as_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params list must match the prompts in length")
+        priorities = priority or [0] * len(prompts)
+        for prompt, p in zip(prompts, params):
+            self.engine._validate(self.engine._tokenize(prompt)[1], p)
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        for request_id, prompt, p, prio in zip(ids, prompts, params, priorities):
+            self.engine.add_request(request_id, prompt, p, prio)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(
+            self.engine.tokenizer.apply_chat_template(c)), "prompt": None} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(ids), desc="generate", unit="req")
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[i] for i in ids]
+
+    @staticmethod
+    def _as_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [{"prompt_token_ids": prompts}]
+        return list(prompts)

@@ -1,0 +1,114 @@
+"""Engine-core outputs -> user-facing `RequestOutput`s: detokenize, stop strings, logprobs.
+
+Text that might be the beginning of a stop string is held back from `delta_text` until it
+is known not to be, so a stream never shows a stop string it later has to take back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kvbaton.engine.outputs import EngineCoreOutput, TokenLogprobs
+from kvbaton.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decoder: object  # tokenizers DecodeStream
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    num_text_sent: int = 0
+    num_tokens_sent: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    first_token_time: float | None = None
+    stop_string: str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._states: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        decoder = self.tokenizer.decode_stream(params.skip_special_tokens)
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, decoder, arrival_time)
+        if params.logprobs is not None:
+            state.logprobs, state.cumulative_logprob = [], 0.0
+        self._states[request_id] = state
+
+    def process(self, output: EngineCoreOutput) -> tuple[RequestOutput, str | None]:
+        """Returns the user-facing output and, if a stop string ended it, that string
+        (the caller then stops the request in the scheduler)."""
+        state = self._states[output.request_id]
+        if state.first_token_time is None:
+            state.first_token_time = time.monotonic()
+        finish_reason, stop_reason = output.finish_reason, output.stop_reason
+        for token, logprobs in zip(output.new_token_ids, output.logprobs or [None] * len(output.new_token_ids)):
+            state.token_ids.append(token)
+            self._append_logprobs(state, logprobs)
+            if state.stop_string is None:
+                self._append_text(state, token)
+        if state.stop_string is not None and finish_reason in (None, "length"):
+            finish_reason, stop_reason = "stop", state.stop_string
+        return self._build(state, finish_reason, stop_reason, output.num_cached_tokens), state.stop_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self._states.get(request_id)
+        return None if state is None else self._build(state, "abort", None, 0)
+
+    def _append_text(self, state: _RequestState, token: int) -> None:
+        piece = state.decoder.step(self.tokenizer.backend, token)
+        if not piece:
+            return
+        start = max(0, len(state.text) - self._max_stop_len(state) + 1)
+        state.text += piece
+        found = [(state.text.find(s, start), s) for s in state.params.stop]
+        found = [(i, s) for i, s in found if i >= 0]
+        if found:
+            index, stop = min(found)
+            end = index + len(stop) if state.params.include_stop_str_in_output else index
+            state.text, state.stop_string = state.text[:end], stop
+
+    def _append_logprobs(self, state: _RequestState, entry: TokenLogprobs | None) -> None:
+        if state.logprobs is None or entry is None:
+            return
+        ranked = {entry.token_id: Logprob(entry.logprob, entry.rank, self.tokenizer.token_text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
+            ranked.setdefault(token_id, Logprob(logprob, rank, self.tokenizer.token_text(token_id)))
+        state.logprobs.append(ranked)
+        state.cumulative_logprob += entry.logprob
+
+    def _build(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None,
+               num_cached_tokens: int) -> RequestOutput:
+        finished = finish_reason is not None
+        releasable = len(state.text) if finished else max(
+            state.num_text_sent, len(state.text) - self._max_stop_len(state) + 1)
+        delta_text = state.text[state.num_text_sent:releasable]
+        delta_tokens = state.token_ids[state.num_tokens_sent:]
+        state.num_text_sent, state.num_tokens_sent = releasable, len(state.token_ids)
+        completion = CompletionOutput(
+            index=0, text=state.text, token_ids=list(state.token_ids),
+            cumulative_logprob=state.cumulative_logprob,
+            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            finish_reason=finish_reason, stop_reason=stop_reason,
+            delta_text=delta_text, delta_token_ids=delta_tokens,
+        )
+        metrics = RequestMetrics(state.arrival_time, state.first_token_time,
+                                 time.monotonic() if finished else None, num_cached_tokens)
+        if finished:
+            del self._states[state.request_id]
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, metrics)
+
+    @staticmethod
+    def _max_stop_len(state: _RequestState) -> int:
+        return max((len(s) for s in state.params.stop), default=1)

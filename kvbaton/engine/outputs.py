@@ -1,0 +1,64 @@
+"""The dataclasses that cross the scheduler <-> model runner boundary (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbaton.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions from `start_position`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the request's last token, so a next token is sampled
+    sampling_params: SamplingParams
+    num_output_tokens: int  # before this step; seeds per-request sampling state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    finished_request_ids: frozenset[str]  # done since the last step: the runner drops their state
+    num_scheduled_tokens: int
+    preempted_request_ids: frozenset[str] = frozenset()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Log-probabilities at one generated position: the sampled token's and the top N."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0

@@ -1,0 +1,201 @@
+"""Iteration-level continuous batching under a per-step token budget (no torch here).
+
+There is no separate "prefill phase": each step, every request catches its
+`num_computed_tokens` up towards `num_tokens` by as many tokens as the budget allows.
+Order of a step: running requests in their decode phase (so decodes are never starved),
+then running requests still prefilling (chunked), then waiting requests by
+(priority, arrival). When blocks run out, the lowest-priority, latest running request is
+preempted: its blocks are freed and it is recomputed later (cheaply, via prefix caching).
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Iterable
+
+from kvbaton.config import SchedulerConfig
+from kvbaton.engine.kv_cache_manager import KVCacheManager
+from kvbaton.engine.outputs import EngineCoreOutput, ModelOutput, ScheduledRequest, SchedulerOutput
+from kvbaton.engine.request import Request, RequestStatus
+
+
+def _order(req: Request) -> tuple[int, float]:
+    return (req.priority, req.arrival_time)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []  # sorted by (priority, arrival)
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        self.requests[req.request_id] = req
+        insort(self.waiting, req, key=_order)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside the step (abort, stop string); frees blocks at once."""
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None or req.is_finished:
+                continue
+            queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
+            queue.remove(req)
+            self._finish(req, status)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chosen: dict[str, int] = {}  # request id -> tokens scheduled this step
+        preempted: list[Request] = []
+        decoding = [r for r in self.running if r.num_computed_tokens >= len(r.prompt_token_ids)]
+        prefilling = [r for r in self.running if r.num_computed_tokens < len(r.prompt_token_ids)]
+        for req in decoding + prefilling:
+            if budget <= 0 or req.status != RequestStatus.RUNNING:
+                continue
+            num_new = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, num_new, chosen, preempted):
+                chosen[req.request_id] = num_new
+            # NOTE: recomputed, since preemption may have unscheduled a request chosen earlier.
+            budget = self.config.max_num_batched_tokens - sum(chosen.values())
+        if not preempted:
+            budget = self._admit_waiting(budget, chosen)
+        return self._build_output(chosen, preempted)
+
+    def update_from_output(self, sched: SchedulerOutput, output: ModelOutput) -> list[EngineCoreOutput]:
+        results = []
+        for item in sched.scheduled:
+            req = self.requests.get(item.request_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += item.num_tokens
+            token = output.sampled_token_ids.get(item.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.output_token_ids.append(token)
+            status, stop_reason = self._check_stop(req, token)
+            logprobs = [output.logprobs[item.request_id]] if item.request_id in output.logprobs else []
+            if status is not None:
+                req.stop_reason = stop_reason
+                self.running.remove(req)
+                self._finish(req, status)
+            results.append(EngineCoreOutput(req.request_id, [token], req.finish_reason, req.stop_reason,
+                                            logprobs, max(req.num_cached_tokens, 0)))
+        return results
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _chunk(self, num_remaining: int, budget: int) -> int:
+        num_new = min(num_remaining, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.config.long_prefill_token_threshold)
+        return num_new
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, chosen: dict[str, int],
+                             preempted: list[Request]) -> bool:
+        """Allocate for `req`, preempting from the back of `running` until it fits.
+        Returns False if `req` itself had to be preempted."""
+        while not self.kv_cache.allocate_slots(req, num_new):
+            victim = self.running[-1]
+            chosen.pop(victim.request_id, None)  # it may have been scheduled earlier this step
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, budget: int, chosen: dict[str, int]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits, num_hit = self.kv_cache.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = self._chunk(num_new, budget)
+            if not self.kv_cache.allocate_slots(req, num_new, hits):
+                break
+            self.waiting.pop(0)
+            self.kv_cache.record_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            insort(self.running, req, key=_order)
+            chosen[req.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        insort(self.waiting, req, key=_order)
+
+    def _build_output(self, chosen: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+        scheduled = []
+        for request_id, num_new in chosen.items():
+            req = self.requests[request_id]
+            start = req.num_computed_tokens
+            scheduled.append(ScheduledRequest(
+                request_id=request_id,
+                token_ids=req.token_slice(start, start + num_new),
+                start_position=start,
+                block_ids=self.kv_cache.block_ids(request_id),
+                sample=start + num_new == req.num_tokens,
+                sampling_params=req.sampling_params,
+                num_output_tokens=req.num_output_tokens,
+            ))
+        finished, self._finished_ids = frozenset(self._finished_ids), set()
+        return SchedulerOutput(scheduled, finished, sum(chosen.values()),
+                               frozenset(r.request_id for r in preempted))
+
+    def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        # NOTE: a request alone in a full pool cannot grow (it would preempt itself forever).
+        if req.num_tokens >= min(self.max_model_len, self.kv_cache.capacity_tokens):
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv_cache.free(req)
+        self._finished_ids.add(req.request_id)
+        del self.requests[req.request_id]
+
+    # ---- observability ---------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()
+        live = {r.request_id for r in self.running}
+        assert set(self.kv_cache.req_blocks) <= live, "blocks held by a request that is not running"

@@ -1,0 +1,42 @@
+"""The checkpoint's tokenizer and chat template (HF `transformers` / `tokenizers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+from kvbaton.config import ConfigError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer.model").is_file():
+            raise ConfigError(f"no tokenizer (tokenizer.json) in model directory {model_dir}")
+        from transformers import AutoTokenizer
+
+        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.backend = self.hf.backend_tokenizer
+        self.vocab_size = len(self.hf)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.hf.chat_template:
+            raise ConfigError("this model's tokenizer has no chat template")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.decode([token_id])
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
+        """Incremental detokenizer: yields text only once it no longer changes (UTF-8 safe)."""
+        return DecodeStream(skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,96 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV pool.
+
+Qwen2 differs only by q/k/v biases and Qwen3 by a per-head RMSNorm on q and k, so one
+readable module covers all three, switched by `ModelConfig` flags.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbaton.config import ModelConfig
+from kvbaton.layers.attention import AttentionMetadata, PagedAttention
+from kvbaton.layers.norm import RMSNorm
+from kvbaton.layers.rope import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # ([S, Hkv, D], [S, Hkv, D]) per layer
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # NOTE: q, k and v share one matmul (weights concatenated at load time).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rope = rope
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` takes a step's flattened tokens and returns logits only where asked."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rope = rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, E]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        x = self.norm(x[logits_indices])  # [S, E]: only rows that are sampled
+        return self.lm_head(x).float()  # [S, V]
