@@ -66,8 +66,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(model_dir)
         model = load_model(model_dir, self.dtype, self.max_model_len)
         self.block_size = config.cache.block_size
-        self.num_blocks = config.cache.num_blocks or max(1, int(
-            config.cache.kv_cache_memory_gb * 2**30 // kv_bytes_per_block(self.model_config, self.block_size, self.dtype)))
+        block_bytes = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        self.num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_memory_gb * 2**30 // block_bytes))
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
         self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.dtype, config.seed)

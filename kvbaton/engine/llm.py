@@ -35,7 +35,9 @@ class LLM:
         All prompts are validated before any runs, so one bad prompt raises and costs nothing.
         """
         prompts = self._as_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params
         if len(params) != len(prompts):
             raise ValueError("sampling_params list must match the prompts in length")
         priorities = priority or [0] * len(prompts)

@@ -1,0 +1,109 @@
+"""`kvbaton` command line: generate | model pull.
+
+Errors a user can cause (bad model path, bad sampling values, over-long prompt) are
+printed as one line on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from kvbaton.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.models.registry import DEFAULT_MODEL
+
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="HF checkpoint dir, .gguf file, or the default model")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads,
+        compile=args.compile,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvbaton", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", default=DEFAULT_PROMPT)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None)
+    model = sub.add_parser("model", help="manage models")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    model_sub.add_parser("pull", help=f"fetch and convert the default model ({DEFAULT_MODEL})")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvbaton.engine.engine import LLMEngine
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_tokens=args.max_tokens, stop=args.stop)
+    engine = LLMEngine(engine_config_from_args(args))
+    prompt = args.prompt
+    if not args.raw and engine.tokenizer.hf.chat_template:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    engine.add_request("cli-0", prompt, params)
+    start, first, num_tokens = time.perf_counter(), None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            completion = out.outputs[0]
+            first = first or time.perf_counter()
+            num_tokens = len(completion.token_ids)
+            sys.stdout.write(completion.delta_text)
+            sys.stdout.flush()
+    end = time.perf_counter()
+    tpot = (end - first) / max(num_tokens - 1, 1) * 1000 if first else 0.0
+    print(f"\n[{num_tokens} tokens, TTFT {(first or end) - start:.3f} s, {tpot:.1f} ms/token, "
+          f"finish: {completion.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_model_pull(args: argparse.Namespace) -> int:
+    from kvbaton.models.registry import pull_default_model
+
+    print(pull_default_model())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    handlers = {"generate": cmd_generate, "model": cmd_model_pull}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, InvalidRequestError, FileNotFoundError) as exc:
+        print(f"kvbaton: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

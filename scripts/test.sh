@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set everything up on a fresh machine and run the whole test suite (slow tests included).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bash scripts/setup.sh
+.venv/bin/ruff check kvbaton tests benchmarks
+.venv/bin/kvbaton model pull >/dev/null
+exec .venv/bin/python -m pytest -q "$@"

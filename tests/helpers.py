@@ -1,0 +1,79 @@
+"""Shared test helpers: tiny random checkpoints and the transformers greedy oracle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 320
+
+
+def build_tiny_tokenizer(out_dir: Path) -> None:
+    """A word-level tokenizer over words t0..t{V-1}; enough to exercise text paths."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    from tokenizers import decoders
+
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(str(out_dir))
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """Random-weight Llama / Qwen2 / Qwen3 saved with transformers (fp32)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+    )
+    if arch == "llama":
+        cfg = LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    elif arch == "llama3":
+        cfg = LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**common, tie_word_embeddings=True)
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # biases default to zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(out_dir))
+    build_tiny_tokenizer(out_dir)
+    return out_dir
+
+
+def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int,
+              eos_token_id: int | list[int] | None = None) -> list[list[int]]:
+    """transformers' greedy `generate`, float32, one prompt at a time (no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=eos_token_id, pad_token_id=0, attention_mask=torch.ones(1, len(ids),
+                                 dtype=torch.long))
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+def hf_logits(model_dir: Path | str, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
