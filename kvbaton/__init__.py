@@ -1,8 +1,29 @@
 """kvbaton: disaggregated LLM inference that hands the KV cache along like a baton."""
 
-from kvbaton.engine.llm import LLM
-from kvbaton.engine.request_output import CompletionOutput, RequestOutput
-from kvbaton.engine.sampling_params import SamplingParams
+from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+if TYPE_CHECKING:
+    from kvbaton.engine.llm import LLM
+    from kvbaton.engine.request_output import CompletionOutput, RequestOutput
+    from kvbaton.engine.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "kvbaton.engine.llm",
+    "SamplingParams": "kvbaton.engine.sampling_params",
+    "RequestOutput": "kvbaton.engine.request_output",
+    "CompletionOutput": "kvbaton.engine.request_output",
+}
+
+
+def __getattr__(name: str):
+    # NOTE: lazy, so torch-free modules (scheduler, simulator) can be imported without torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvbaton' has no attribute {name!r}")

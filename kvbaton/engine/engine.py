@@ -23,6 +23,7 @@ from kvbaton.models.registry import resolve_model
 logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict
+MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
 
 
 @dataclass(frozen=True)
@@ -70,13 +71,14 @@ class LLMEngine:
         self.num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_memory_gb * 2**30 // block_bytes))
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.max_model_len)
-        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.dtype, config.seed)
+        self.eos_token_ids = self._eos_token_ids()
+        self.runner = ModelRunner(model, self.num_blocks, self.block_size, self.dtype, config.seed,
+                                  self.eos_token_ids)
         if config.compile:
             from kvbaton.engine.compile import compile_model
 
             compile_model(self.runner)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = self._eos_token_ids()
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -140,6 +142,8 @@ class LLMEngine:
     def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
+        if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
             raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {vocab})")

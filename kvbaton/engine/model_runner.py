@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,12 @@ def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype
             for _ in range(cfg.num_hidden_layers)]
 
 
+def _derived_seed(engine_seed: int, request_id: str) -> int:
+    """Stable across processes (unlike `hash()`), so the engine seed makes runs repeatable."""
+    digest = hashlib.blake2b(f"{engine_seed}:{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor  # [T]
@@ -36,8 +43,9 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 seed: int = 0) -> None:
+                 seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype)
         self._generators: dict[str, torch.Generator] = {}
@@ -52,7 +60,8 @@ class ModelRunner:
         inputs = self.prepare_inputs(sched.scheduled)
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                             inputs.logits_indices)
-        rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s)) for s in inputs.sampled]
+        rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s))
+                for s in inputs.sampled]
         tokens, logprobs = sample(logits, rows)
         return ModelOutput(
             {s.request_id: t for s, t in zip(inputs.sampled, tokens)},
@@ -68,14 +77,14 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s.start_position, s.start_position + s.num_tokens) for s in ordered])
         slot_mapping = torch.cat([self._slots(s, s.start_position, s.start_position + s.num_tokens)
                                   for s in ordered])
-        decode_slots, decode_mask = self._decode_context(decodes)
+        decode_table, decode_mask = self._decode_context(decodes)
         spans, offset = [], len(decodes)
         for s in prefills:
             spans.append(self._prefill_span(s, offset))
             offset += s.num_tokens
         ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
         sample_rows = [i for i, s in enumerate(ordered) if s.sample]
-        meta = AttentionMetadata(slot_mapping, len(decodes), decode_slots, decode_mask, tuple(spans))
+        meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_mask, tuple(spans))
         return StepInputs(input_ids, positions, meta, ends[sample_rows], [ordered[i] for i in sample_rows])
 
     def _block_table(self, block_ids: list[int]) -> torch.Tensor:
@@ -90,24 +99,33 @@ class ModelRunner:
         if not decodes:
             return None, None
         context_lens = torch.tensor([s.start_position + 1 for s in decodes])  # [B]
-        max_blocks = max(len(s.block_ids) for s in decodes)
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        max_blocks = max(self._num_blocks(s.start_position + 1) for s in decodes)
+        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # [B, nb]
         for i, s in enumerate(decodes):
-            table[i, : len(s.block_ids)] = self._block_table(s.block_ids)
-        offsets = torch.arange(self.block_size)
-        slots = (table.unsqueeze(-1) * self.block_size + offsets).flatten(1)  # [B, max_blocks * bs]
-        max_len = int(context_lens.max())
-        slots = slots[:, :max_len]
-        mask = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, Lmax]
-        return slots, mask[:, None, None, :]
+            ids = s.block_ids[: self._num_blocks(s.start_position + 1)]
+            table[i, : len(ids)] = self._block_table(ids)
+        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+        return table, mask[:, None, None, :]
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
     def _prefill_span(self, s: ScheduledRequest, query_start: int) -> PrefillSpan:
         if s.start_position == 0:
-            return PrefillSpan(query_start, s.num_tokens, None, None)
+            return PrefillSpan(query_start, s.num_tokens, None, s.num_tokens, None)
         context_len = s.start_position + s.num_tokens
         q_pos = torch.arange(s.start_position, context_len).unsqueeze(1)  # [Lq, 1]
         mask = torch.arange(context_len).unsqueeze(0) <= q_pos  # [Lq, L] bottom-right causal
-        return PrefillSpan(query_start, s.num_tokens, self._slots(s, 0, context_len), mask)
+        blocks = self._block_table(s.block_ids[: self._num_blocks(context_len)])
+        return PrefillSpan(query_start, s.num_tokens, blocks, context_len, mask)
+
+    def _banned(self, s: ScheduledRequest) -> tuple[int, ...]:
+        """Until `min_tokens` are out, EOS and stop tokens cannot be sampled (as in vLLM)."""
+        params = s.sampling_params
+        if s.num_output_tokens >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return tuple(eos) + tuple(params.stop_token_ids)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator:
         gen = self._generators.get(s.request_id)
@@ -115,6 +133,6 @@ class ModelRunner:
             gen = torch.Generator()
             seed = s.sampling_params.seed
             # NOTE: unseeded requests still get their own stream, derived from the engine seed.
-            gen.manual_seed(seed if seed is not None else hash((self._seed, s.request_id)) & (2**63 - 1))
+            gen.manual_seed(seed if seed is not None else _derived_seed(self._seed, s.request_id))
             self._generators[s.request_id] = gen
         return gen

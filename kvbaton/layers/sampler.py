@@ -15,10 +15,14 @@ class SamplingRow:
     request_id: str
     params: SamplingParams
     generator: torch.Generator
+    banned_token_ids: tuple[int, ...] = ()  # e.g. EOS and stop tokens before `min_tokens`
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [S, V] float32, one row per entry of `rows`."""
+    for i, row in enumerate(rows):
+        if row.banned_token_ids:
+            logits[i, list(row.banned_token_ids)] = float("-inf")
     tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
     for i, row in enumerate(rows):
         if not row.params.is_greedy:
@@ -50,6 +54,6 @@ def _logprobs(logits: torch.Tensor, token: int, top_n: int) -> TokenLogprobs:
     rank = int((logprobs > sampled).sum()) + 1
     top: list[tuple[int, float]] = []
     if top_n > 0:
-        values, ids = torch.topk(logprobs, top_n)
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))  # N may exceed the vocab
         top = list(zip(ids.tolist(), values.tolist()))
     return TokenLogprobs(token, sampled, rank, top)

@@ -1,0 +1,134 @@
+"""Bad input gets a clear error, changes nothing, and never harms other requests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from kvbaton import LLM, SamplingParams
+from kvbaton.config import ConfigError
+from kvbaton.engine.sampling_params import InvalidRequestError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, block_size=4)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ({"prompt_token_ids": []}, GREEDY, "prompt is empty"),
+    ("", GREEDY, "prompt is empty"),
+    ({"prompt_token_ids": list(range(1, 65))}, GREEDY, "context length is 64"),
+    ({"prompt_token_ids": [1, 2, 10**6]}, GREEDY, "prompt_token_ids must be integers"),
+    ({"prompt_token_ids": [1, -2]}, GREEDY, "prompt_token_ids must be integers"),
+    ({"nothing": 1}, GREEDY, "prompt dict needs"),
+    (3.5, GREEDY, "prompt must be a string"),
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=21), "logprobs must be <= 20"),
+])
+def test_bad_prompt_is_refused_and_changes_nothing(llm, prompt, params, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        llm.engine.add_request("bad", prompt, params)
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, "top_p must be in"),
+    ({"top_p": 1.01}, "top_p must be in"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"top_k": -3}, "top_k"),
+    ({"n": 2}, "n: only n=1"),
+])
+def test_invalid_sampling_values(kwargs, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_request_in_a_running_batch_harms_no_one(llm):
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [20] * 17]
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ok-{i}", {"prompt_token_ids": p}, GREEDY)
+    done = {}
+    for step in range(100):
+        if step == 2:
+            with pytest.raises(InvalidRequestError):
+                engine.add_request("too-long", {"prompt_token_ids": [1] * 200}, GREEDY)
+            engine.add_request("aborted", {"prompt_token_ids": [3] * 30}, SamplingParams(max_tokens=50))
+        if step == 4:
+            engine.abort_request("aborted")
+            engine.check_integrity()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if not engine.has_unfinished_requests():
+            break
+    assert [done[f"ok-{i}"] for i in range(3)] == clean
+    assert "aborted" not in done
+    engine.check_integrity()
+    assert engine.kv_cache.pool.usage() == 0.0
+
+
+def test_generate_validates_all_prompts_before_running_any(llm):
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": []}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_missing_model_and_files(tmp_path, tiny_models):
+    with pytest.raises(ConfigError, match="model not found"):
+        LLM(str(tmp_path / "absent"))
+    with pytest.raises(ConfigError, match="no config.json"):
+        LLM(str(tmp_path))
+    no_weights = tmp_path / "no-weights"
+    shutil.copytree(tiny_models["llama"], no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    with pytest.raises(ConfigError, match="no \\*.safetensors"):
+        LLM(str(no_weights))
+    no_tokenizer = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_models["llama"], no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match="no tokenizer"):
+        LLM(str(no_tokenizer))
+
+
+def test_unsupported_architecture_config(tmp_path, tiny_models):
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_models["llama"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLM(str(other))
+
+
+def test_gguf_of_unsupported_architecture(tmp_path, monkeypatch):
+    import gguf
+
+    monkeypatch.setenv("KVBATON_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "falcon.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="GGUF architecture 'falcon' is not supported"):
+        LLM(str(path))
+
+
+def test_corrupt_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBATON_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x00" * 10)
+    with pytest.raises(ConfigError, match="not a readable GGUF"):
+        LLM(str(path))
