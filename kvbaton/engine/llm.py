@@ -6,7 +6,8 @@ import itertools
 from dataclasses import fields
 
 from kvbaton.config import CacheConfig, EngineConfig, SchedulerConfig
-from kvbaton.engine.engine import LLMEngine, PromptType
+from kvbaton.engine.engine import LLMEngine
+from kvbaton.engine.inputs import PromptType, tokenize_prompt
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ class LLM:
             raise ValueError("sampling_params list must match the prompts in length")
         priorities = priority or [0] * len(prompts)
         for prompt, p in zip(prompts, params):
-            self.engine._validate(self.engine._tokenize(prompt)[1], p)
+            self.engine.validate(tokenize_prompt(self.engine.tokenizer, prompt)[1], p)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, p, prio in zip(ids, prompts, params, priorities):
             self.engine.add_request(request_id, prompt, p, prio)

@@ -40,3 +40,11 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
         """Incremental detokenizer: yields text only once it no longer changes (UTF-8 safe)."""
         return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+
+def eos_token_ids(model_config, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """EOS ids from the checkpoint config and the tokenizer, merged."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

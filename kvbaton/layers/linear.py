@@ -1,0 +1,31 @@
+"""Linear layer that picks its compute precision by batch size.
+
+On CPUs without native bf16 arithmetic (no AVX512-BF16 / AMX), bf16 GEMMs are emulated:
+fine for one-row decodes, which are memory-bound and gain from reading half the bytes,
+but several times slower than fp32 for many rows (prefill, big batches), which are
+compute-bound. With `upcast_min_rows` set, inputs of at least that many rows are computed
+in fp32 from the same bf16 weights (converted on the fly: cheap next to the GEMM itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Linear):
+    upcast_min_rows: int | None = None  # None: always compute in the weights' dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.upcast_min_rows
+        if rows is not None and x.dtype != torch.float32 and x.numel() >= rows * x.shape[-1]:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def set_upcast_min_rows(model: nn.Module, rows: int | None) -> None:
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.upcast_min_rows = rows
