@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -54,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None)
+    serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--api-key", default=os.environ.get("KVBATON_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVBATON_API_KEY)")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="admission control: refuse with 503 beyond this many waiting requests")
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     model_sub.add_parser("pull", help=f"fetch and convert the default model ({DEFAULT_MODEL})")
@@ -85,6 +95,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvbaton.server.launch import ServeOptions, serve
+
+    options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                           api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+    return serve(engine_config_from_args(args), options)
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     from kvbaton.models.registry import pull_default_model
 
@@ -95,7 +113,7 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": cmd_generate, "model": cmd_model_pull}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull}
     try:
         return handlers[args.command](args)
     except (ConfigError, InvalidRequestError, FileNotFoundError) as exc:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+
+import numpy as np
 from tqdm import tqdm
 
 from kvbaton.bench.arrivals import ArrivalConfig, arrival_offsets
@@ -21,8 +23,6 @@ from kvbaton.bench.records import RequestRecord, RunResult
 async def run_load(target: Target, requests: list[BenchRequest], arrivals: ArrivalConfig, seed: int,
                    max_duration_s: float | None = None, show_progress: bool = True) -> RunResult:
     """Send `requests` open-loop at `arrivals`' rate; stop early at `max_duration_s`."""
-    import numpy as np
-
     offsets = arrival_offsets(len(requests), arrivals, np.random.default_rng([seed, 1]))
     limit = asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency else None
     label = "inf" if math.isinf(arrivals.request_rate) else f"{arrivals.request_rate:g}"

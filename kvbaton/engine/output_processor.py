@@ -30,6 +30,8 @@ class _RequestState:
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    num_cached_tokens: int = 0
     stop_string: str | None = None
 
 
@@ -52,6 +54,8 @@ class OutputProcessor:
         state = self._states[output.request_id]
         if state.first_token_time is None:
             state.first_token_time = time.monotonic()
+            state.first_scheduled_time = output.first_scheduled_time
+            state.num_cached_tokens = output.num_cached_tokens
         finish_reason, stop_reason = output.finish_reason, output.stop_reason
         for token, logprobs in zip(output.new_token_ids, output.logprobs or [None] * len(output.new_token_ids)):
             state.token_ids.append(token)
@@ -60,11 +64,11 @@ class OutputProcessor:
                 self._append_text(state, token)
         if state.stop_string is not None and finish_reason in (None, "length"):
             finish_reason, stop_reason = "stop", state.stop_string
-        return self._build(state, finish_reason, stop_reason, output.num_cached_tokens), state.stop_string
+        return self._build(state, finish_reason, stop_reason), state.stop_string
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._states.get(request_id)
-        return None if state is None else self._build(state, "abort", None, 0)
+        return None if state is None else self._build(state, "abort", None)
 
     def _append_text(self, state: _RequestState, token: int) -> None:
         piece = state.decoder.step(self.tokenizer.backend, token)
@@ -88,8 +92,7 @@ class OutputProcessor:
         state.logprobs.append(ranked)
         state.cumulative_logprob += entry.logprob
 
-    def _build(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None,
-               num_cached_tokens: int) -> RequestOutput:
+    def _build(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
         finished = finish_reason is not None
         releasable = len(state.text) if finished else max(
             state.num_text_sent, len(state.text) - self._max_stop_len(state) + 1)
@@ -103,8 +106,8 @@ class OutputProcessor:
             finish_reason=finish_reason, stop_reason=stop_reason,
             delta_text=delta_text, delta_token_ids=delta_tokens,
         )
-        metrics = RequestMetrics(state.arrival_time, state.first_token_time,
-                                 time.monotonic() if finished else None, num_cached_tokens)
+        metrics = RequestMetrics(state.arrival_time, state.first_token_time, time.monotonic() if finished else None,
+                                 state.num_cached_tokens, state.first_scheduled_time)
         if finished:
             del self._states[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, metrics)

@@ -62,3 +62,4 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None  # time.monotonic() when it left the waiting queue

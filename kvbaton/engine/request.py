@@ -38,6 +38,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
+    first_scheduled_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -31,6 +31,11 @@ class RequestMetrics:
     first_token_time: float | None
     finished_time: float | None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def ttft(self) -> float | None:

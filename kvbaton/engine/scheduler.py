@@ -10,6 +10,7 @@ preempted: its blocks are freed and it is recomputed later (cheaply, via prefix 
 
 from __future__ import annotations
 
+import time
 from bisect import insort
 from collections.abc import Iterable
 
@@ -93,7 +94,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._finish(req, status)
             results.append(EngineCoreOutput(req.request_id, [token], req.finish_reason, req.stop_reason,
-                                            logprobs, max(req.num_cached_tokens, 0)))
+                                            logprobs, max(req.num_cached_tokens, 0), req.first_scheduled_time))
         return results
 
     # ---- internals -------------------------------------------------------------------------
@@ -132,6 +133,7 @@ class Scheduler:
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             insort(self.running, req, key=_order)
             chosen[req.request_id] = num_new

@@ -1,0 +1,59 @@
+"""`kvbaton serve`: start the engine-core process, then the HTTP frontend in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from kvbaton.config import EngineConfig
+from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
+from kvbaton.server.admission import AdmissionLimits
+from kvbaton.server.api import ServerSettings, build_app
+from kvbaton.server.engine_client import AsyncEngineClient
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_waiting_requests: int = 256
+
+
+def serve(config: EngineConfig, options: ServeOptions) -> int:
+    model_dir = resolve_model(config.model)  # pull / convert once, before the worker starts
+    name = options.served_model_name or (DEFAULT_MODEL if config.model in (DEFAULT_MODEL, "default")
+                                         else Path(model_dir).name)
+    config = dataclasses.replace(config, model=str(model_dir))
+    settings = ServerSettings(name, options.api_key, AdmissionLimits(options.max_waiting_requests))
+    return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options))
+
+
+async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions) -> int:
+    client = AsyncEngineClient(config, tokenizer)
+    await client.start()
+    try:
+        app = build_app(client, settings)
+        server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                                               timeout_graceful_shutdown=5))
+        _print_banner(settings, options)
+        await server.serve()
+    finally:
+        await client.shutdown()
+    return 0
+
+
+def _print_banner(settings: ServerSettings, options: ServeOptions) -> None:
+    url = f"http://{options.host}:{options.port}"
+    auth = f" -H 'Authorization: Bearer {'$KVBATON_API_KEY'}'" if settings.api_key else ""
+    print(f"kvbaton is serving {settings.served_model_name} at {url}  (metrics: {url}/metrics)\n"
+          f"try:  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+          f"        -d '{{\"model\": \"{settings.served_model_name}\", "
+          f"\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'", file=sys.stderr, flush=True)

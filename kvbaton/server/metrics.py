@@ -1,0 +1,74 @@
+"""Prometheus metrics (prefix `kvbaton:`), on a registry owned by the server instance."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvbaton.engine.core import EngineStats
+from kvbaton.engine.request_output import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self._model = model_name
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvbaton:{name}", doc, labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvbaton:{name}", doc, labels, registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first, per request")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency")
+        self.queue = hist("request_queue_time_seconds", "Time a request waited before it was first scheduled")
+        self.prompt_tokens = Counter("kvbaton:prompt_tokens", "Prompt tokens processed", labels,
+                                     registry=self.registry)
+        self.generation_tokens = Counter("kvbaton:generation_tokens", "Tokens generated", labels,
+                                         registry=self.registry)
+        self.requests = Counter("kvbaton:request_success", "Finished requests by finish reason",
+                                labels + ["finished_reason"], registry=self.registry)
+        self.rejected = Counter("kvbaton:request_rejected", "Requests refused by admission control", labels,
+                                registry=self.registry)
+        self.running = gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        self.kv_waste = gauge("kv_cache_waste_perc", "Allocated-but-unused KV slots over allocated slots (0..1)")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all lookups (0..1)")
+        self.preemptions = gauge("num_preemptions", "Preemptions since start")
+
+    def observe_stats(self, stats: EngineStats) -> None:
+        m = self._model
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.kv_waste.labels(m).set(stats.kv_waste_fraction)
+        self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
+        self.preemptions.labels(m).set(stats.num_preemptions)
+
+    def observe_token(self, gap_s: float | None) -> None:
+        if gap_s is not None:
+            self.itl.labels(self._model).observe(gap_s)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        m, completion, metrics = self._model, out.outputs[0], out.metrics
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(len(completion.token_ids))
+        self.requests.labels(m, completion.finish_reason or "abort").inc()
+        if metrics is None:
+            return
+        if metrics.ttft is not None:
+            self.ttft.labels(m).observe(metrics.ttft)
+        if metrics.queue_time is not None:
+            self.queue.labels(m).observe(max(metrics.queue_time, 0.0))
+        if metrics.finished_time is not None:
+            self.e2e.labels(m).observe(metrics.finished_time - metrics.arrival_time)
+            n = len(completion.token_ids)
+            if metrics.first_token_time is not None and n > 1:
+                self.tpot.labels(m).observe((metrics.finished_time - metrics.first_token_time) / (n - 1))
