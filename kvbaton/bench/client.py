@@ -97,9 +97,10 @@ class _StreamTimer:
         self.usage: dict | None = None
         self.finished = False
         self.error = ""
+        self.end: float | None = None  # when [DONE] or an error event arrived
 
     def on_event(self, event: StreamEvent, now: float) -> bool:
-        """Record one event; True once the stream is over."""
+        """Record one event; True once the stream has said all it will."""
         if event.error:
             self.error = event.error
             return True
@@ -160,15 +161,17 @@ async def _read_stream(resp: httpx.Response, timer: _StreamTimer) -> None:
     decoder = SSEDecoder()
     async for line in resp.aiter_lines():
         data = decoder.feed(line)
-        if data is not None and timer.on_event(parse_event(data), time.perf_counter()):
-            return
+        # NOTE: after [DONE] (or an error) read on to the end of the body rather than return:
+        # a connection with unread bytes cannot go back to the keep-alive pool.
+        if data is not None and timer.end is None and timer.on_event(parse_event(data), time.perf_counter()):
+            timer.end = time.perf_counter()
     tail = decoder.flush()
-    if tail is not None:
+    if tail is not None and timer.end is None:
         timer.on_event(parse_event(tail), time.perf_counter())
 
 
 def _finish(timer: _StreamTimer, req: BenchRequest, base: dict, attempts: int) -> RequestRecord:
-    e2e = time.perf_counter() - timer.start
+    e2e = (timer.end or time.perf_counter()) - timer.start
     usage = timer.usage or {}
     error = timer.error or ("" if timer.finished else "stream ended before a finish_reason or [DONE]")
     fields = {**base, "prompt_len": usage.get("prompt_tokens") or req.prompt_len}

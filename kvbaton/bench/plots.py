@@ -52,7 +52,8 @@ def plot_latency_cdfs(path: Path, results: list[RunResult], slo: SLO) -> Path:
         for ax, values in zip(axes, _latencies_ms(result).values()):
             if values:
                 xs = np.sort(values)
-                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post",
+                fractions = np.arange(len(xs) + 1) / len(xs)  # starts at 0 just left of the fastest
+                ax.step(np.concatenate([xs[:1], xs]), fractions, where="post",
                         label=f"{rate_label(result.request_rate)} req/s")
     for ax, (name, target) in zip(axes, targets.items()):
         if target is not None:

@@ -48,10 +48,14 @@ class EngineCoreProc:
         self.to_core = Codec(ToCore)
         self.from_core = Codec(FromCore)
         self.running = True
+        self._parent_pid = os.getppid()
 
     def run(self) -> None:
         self._send(CoreReady(self.core.info, os.getpid()))
         while self.running:
+            if os.getppid() != self._parent_pid:
+                logger.error("frontend process is gone; exiting")
+                return
             busy = self.core.has_unfinished_requests()
             handled = self._drain_inputs(block_ms=0 if busy else IDLE_POLL_MS)
             if self.core.has_unfinished_requests():

@@ -96,8 +96,9 @@ class OpenAIServer:
             self.metrics.rejected.labels(self.settings.served_model_name).inc()
             return _error(503, refusal, "ServiceUnavailableError",
                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        top_n = req.top_logprobs if kind == "chat" else req.logprobs
         builder = ResponseBuilder("chat" if kind == "chat" else "completion", request_id,
-                                  self.settings.served_model_name, getattr(req, "top_logprobs", None))
+                                  self.settings.served_model_name, top_n)
         outputs = self._outputs(request_id, prompt, token_ids, params, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(outputs, builder, kind, req.include_usage),

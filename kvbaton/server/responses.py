@@ -29,14 +29,18 @@ def timing(out: RequestOutput) -> dict:
     return {"ttft_s": m.ttft, "queue_time_s": m.queue_time, "e2e_s": end - m.arrival_time}
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], start_offset: int) -> dict:
+def _top(entry: dict[int, Logprob], top_n: int) -> list[Logprob]:
+    return sorted(entry.values(), key=lambda lp: lp.rank or 0)[:top_n]
+
+
+def completion_logprobs(entries: list[dict[int, Logprob]], top_n: int, start_offset: int) -> dict:
     """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets, offset = [], [], [], [], start_offset
     for entry in entries:
         sampled = next(iter(entry.values()))  # the sampled token is always first
         tokens.append(sampled.decoded_token or "")
         token_lps.append(sampled.logprob)
-        tops.append({lp.decoded_token or "": lp.logprob for lp in list(entry.values())[1:] or [sampled]})
+        tops.append({lp.decoded_token or "": lp.logprob for lp in _top(entry, top_n)})
         offsets.append(offset)
         offset += len(sampled.decoded_token or "")
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -49,9 +53,8 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
 
     content = []
     for entry in entries:
-        values = list(entry.values())
-        tops = sorted(values, key=lambda lp: lp.rank or 0)[:top_n] if top_n else []
-        content.append({**item(values[0]), "top_logprobs": [item(lp) for lp in tops]})
+        sampled = next(iter(entry.values()))
+        content.append({**item(sampled), "top_logprobs": [item(lp) for lp in _top(entry, top_n)]})
     return {"content": content}
 
 
@@ -70,7 +73,7 @@ class ResponseBuilder:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries, self.top_logprobs or 0)
-        return completion_logprobs(entries, self._text_sent)
+        return completion_logprobs(entries, self.top_logprobs or 0, self._text_sent)
 
     def full(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
