@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set everything up on a fresh machine and run the main job on the default model.
+# Set everything up on a fresh machine and serve the default model over the OpenAI API
+# (prints how to send a request). Extra arguments go to `kvbaton serve`.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 bash "$root/scripts/setup.sh"
 "$root/.venv/bin/kvbaton" model pull >/dev/null
-exec "$root/.venv/bin/kvbaton" generate "$@"
+exec "$root/.venv/bin/kvbaton" serve "$@"
