@@ -21,9 +21,8 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 
 def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[KVCache]:
-    shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(cfg.num_hidden_layers)]
+    shape = (num_blocks * block_size, 2, cfg.num_key_value_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:
@@ -47,6 +46,7 @@ class ModelRunner:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
+        self.dtype = dtype
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype)
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
@@ -104,7 +104,8 @@ class ModelRunner:
         for i, s in enumerate(decodes):
             ids = s.block_ids[: self._num_blocks(s.start_position + 1)]
             table[i, : len(ids)] = self._block_table(ids)
-        mask = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+        visible = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
+        mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
         return table, mask[:, None, None, :]
 
     def _num_blocks(self, num_tokens: int) -> int:

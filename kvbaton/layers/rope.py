@@ -1,4 +1,4 @@
-"""Rotary position embedding with a precomputed cos/sin table (HF-identical math)."""
+"""Rotary position embedding with a precomputed cos/sin table (HF's rotate-half layout)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies RoPE in the rotate-half layout that HF checkpoints use."""
+    """`cos_sin(positions)` once per step; `apply_` rotates any number of heads in place."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> None:
@@ -43,18 +43,21 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        half = head_dim // 2
+        # NOTE: rotate_half(x) * sin == swap_halves(x) * signed_sin with signed_sin = [-sin, sin],
+        # which turns the rotation into one flip and two fused multiply-adds.
+        signed_sin = emb.sin()
+        signed_sin[:, :half] = -signed_sin[:, :half]
         # NOTE: cast to the model dtype exactly where HF does, so bf16 runs match it too.
         self.cos = emb.cos().to(dtype=dtype, device="cpu")
-        self.sin = emb.sin().to(dtype=dtype, device="cpu")
+        self.sin = signed_sin.to(dtype=dtype, device="cpu")
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D] each
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    @staticmethod
+    def apply_(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Rotate x: [T, heads, D] in place."""
+        cos, sin = cos_sin
+        swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
+        x.mul_(cos).addcmul_(swapped, sin)

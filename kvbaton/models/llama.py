@@ -16,7 +16,8 @@ from kvbaton.layers.linear import Linear
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # ([S, Hkv, D], [S, Hkv, D]) per layer
+KVCache = torch.Tensor  # [num_slots, 2, Hkv, D] per layer: K and V of a token side by side
+CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -34,17 +35,16 @@ class Attention(nn.Module):
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+    def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        tokens, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x).view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
+            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
+            qkv[:, heads:heads + self.num_kv_heads] = self.k_norm(qkv[:, heads:heads + self.num_kv_heads])
+        self.rope.apply_(qkv[:, :heads + self.num_kv_heads], cos_sin)  # q and k heads in one go
+        q = qkv[:, :heads]  # [T, H, D]
+        kv = qkv[:, heads:].unflatten(1, (2, self.num_kv_heads))  # [T, 2, Hkv, D]
+        out = self.attn(q, kv, kv_cache, meta)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -68,9 +68,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -91,7 +90,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
+        cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(cos_sin, x, kv_cache, meta)
         x = self.norm(x[logits_indices])  # [S, E]: only rows that are sampled
         return self.lm_head(x).float()  # [S, V]
