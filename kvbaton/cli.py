@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVBATON_API_KEY)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="admission control: refuse with 503 beyond this many waiting requests")
+    from kvbaton.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     model_sub.add_parser("pull", help=f"fetch and convert the default model ({DEFAULT_MODEL})")
@@ -103,6 +106,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(engine_config_from_args(args), options)
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvbaton.bench.cli import main as bench_main
+
+    return bench_main(args)
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     from kvbaton.models.registry import pull_default_model
 
@@ -113,7 +122,7 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench}
     try:
         return handlers[args.command](args)
     except (ConfigError, InvalidRequestError, FileNotFoundError) as exc:

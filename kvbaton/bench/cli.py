@@ -67,6 +67,7 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrival gaps (1 = Poisson)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     g.add_argument("--max-duration-s", type=float, default=None, help="stop each rate's run after this long")
+    g.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent one by one first")
 
 
 def _add_output_args(g: argparse._ArgumentGroup) -> None:

@@ -21,7 +21,7 @@ def rate_label(rate: float) -> str:
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return "-" if value is None else (f"{value:.2f}" if value < 1000 else f"{value:.0f}")
 
 
 def summary_table(s: Summary, slo: SLO) -> Table:

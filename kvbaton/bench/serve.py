@@ -9,8 +9,10 @@ import argparse
 import asyncio
 import json
 import time
+from dataclasses import replace
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvbaton.bench.arrivals import ArrivalConfig
 from kvbaton.bench.client import Target, fetch_model_name
@@ -30,18 +32,35 @@ def serve_benchmark(args: argparse.Namespace, rates: list[float], seed: int) -> 
     if args.max_duration_s is not None and args.max_duration_s <= 0:
         raise BenchError("--max-duration-s must be positive")
     target = build_target(args)
-    console = Console()
+    console = _console()
     console.print(f"kvbaton bench serve: seed {seed}, model {target.model!r}, {target.url}, "
                   f"dataset {dataset.name} x {dataset.num_prompts}, rates {', '.join(map(rate_label, rates))}")
-    requests = build_requests(dataset, prompt_source(args.tokenizer), seed)
+    source = prompt_source(args.tokenizer)
+    requests = build_requests(dataset, source, seed)
+    _warm_up(target, dataset, source, seed, args.num_warmups)
     results = [_run_one(target, requests, a, seed, args) for a in arrivals]
     summaries = [summarize(r, slo) for r in results]
     print_report(summaries, slo, console)
     _write_outputs(args, _config_dict(args, rates, seed, target), results, summaries, slo, console)
     if not any(s.completed for s in summaries):
-        console.print("[red]no request completed[/red]; see the error field of the records")
+        first_error = next((r.error for res in results for r in res.records if r.error), "-")
+        console.print(f"[red]no request completed[/red]; first error: {escape(first_error)}")
         return 1
     return 0
+
+
+def _console() -> Console:
+    console = Console()
+    # NOTE: rich falls back to 80 columns when piped, which truncates the sweep table in logs.
+    return console if console.is_terminal else Console(width=140)
+
+
+def _warm_up(target: Target, dataset: DatasetConfig, source: PromptSource, seed: int, num_warmups: int) -> None:
+    """Send a few unmeasured requests, one at a time, so a cold server does not skew the first rate.
+    They come from another seed: reusing the measured prompts would pre-fill the prefix cache."""
+    if num_warmups > 0:
+        warmups = build_requests(replace(dataset, num_prompts=num_warmups), source, seed + 1)
+        asyncio.run(run_load(target, warmups, ArrivalConfig(max_concurrency=1), seed, show_progress=False))
 
 
 def _run_one(target: Target, requests: list, arrivals: ArrivalConfig, seed: int,

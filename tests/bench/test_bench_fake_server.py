@@ -117,7 +117,8 @@ def test_max_duration_stops_a_run_by_itself(server):
 
 def test_cli_sweep_writes_json_and_plots(server, tmp_path, capsys):
     out = tmp_path / "res.json"
-    rc = run(["serve", "--base-url", server.base_url, "--num-prompts", "8", "--input-len", "4",
+    sent_before = len(server.bodies)
+    rc = run(["serve", "--num-warmups", "2", "--base-url", server.base_url, "--num-prompts", "8", "--input-len", "4",
               "--output-len", "5", "--request-rates", "20,40", "--slo-ttft-ms", "500", "--slo-tpot-ms", "100",
               "--result-json", str(out), "--plot-dir", str(tmp_path / "plots"), "--seed", "3", "--no-progress",
               "--ignore-eos", "--endpoint", "/v1/chat/completions", "--api-key", "secret"])
@@ -129,7 +130,7 @@ def test_cli_sweep_writes_json_and_plots(server, tmp_path, capsys):
     for r in doc["runs"]:
         assert r["summary"]["completed"] == 8 and len(r["records"]) == 8
         assert r["summary"]["slo_attainment"] == 1.0 and r["summary"]["goodput"] > 0
-    assert server.bodies[-1]["ignore_eos"] is True
+    assert server.bodies[-1]["ignore_eos"] is True and len(server.bodies) - sent_before == 2 + 2 * 8
     pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert pngs == ["goodput_vs_rate.png", "latency_cdf.png", "slo_attainment_vs_rate.png"]
     printed = capsys.readouterr().out
