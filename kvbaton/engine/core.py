@@ -23,8 +23,8 @@ from kvbaton.models.loader import load_model
 logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
-# NOTE: measured on a 2-core AVX2 EPYC: an (emulated) bf16 GEMM loses to fp32 from ~8 rows on.
-UPCAST_MIN_ROWS = 8
+# NOTE: measured on a 2-core AVX2 EPYC: an (emulated) bf16 GEMM loses to fp32 from ~16 rows on.
+UPCAST_MIN_ROWS = 16
 
 
 def resolve_dtype(name: str) -> torch.dtype:
