@@ -66,3 +66,15 @@ def test_text_prompt_and_stop_string(llm):
     assert completion.finish_reason == "stop" and completion.stop_reason == "Paris"
     assert "Paris" not in completion.text and completion.text
     llm.engine.check_integrity()
+
+
+def test_logprobs_match_transformers_within_tolerance(default_model_dir, llm, prompts):
+    """Next-token log-probabilities after a real prompt agree with transformers within 1e-3."""
+    import torch
+    from helpers import hf_logits
+
+    ref = torch.log_softmax(hf_logits(default_model_dir, prompts[1])[-1], -1)
+    out = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(temperature=0, max_tokens=1, logprobs=10))
+    entry = out[0].outputs[0].logprobs[0]
+    assert set(torch.topk(ref, 10).indices.tolist()) <= set(entry)
+    assert max(abs(lp.logprob - float(ref[t])) for t, lp in entry.items()) < 1e-3
