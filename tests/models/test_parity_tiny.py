@@ -85,3 +85,10 @@ def test_logits_match_within_tolerance(tiny_models, arch):
     for token_id, lp in entry.items():
         assert abs(lp.logprob - float(ref[token_id])) < 1e-4
     assert set(torch.topk(ref, 5).indices.tolist()) <= set(entry)
+
+
+@pytest.mark.slow
+def test_compiled_mlp_matches(tiny_models, references):
+    prompts, refs = references
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", compile=True)
+    assert _generate(llm, prompts) == refs["llama"]
