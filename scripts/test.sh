@@ -4,6 +4,6 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
-.venv/bin/ruff check kvbaton tests benchmarks
+.venv/bin/ruff check .
 .venv/bin/kvbaton model pull >/dev/null
 exec .venv/bin/python -m pytest -q "$@"
