@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvbaton.config import ConfigError
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
@@ -187,7 +188,8 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
         return _error(exc.status, exc.message, exc.err_type, exc.param)
 
     @app.exception_handler(InvalidRequestError)
-    async def on_invalid(_: Request, exc: InvalidRequestError):
+    @app.exception_handler(ConfigError)  # e.g. chat on a model whose tokenizer has no chat template
+    async def on_invalid(_: Request, exc: Exception):
         return _error(400, str(exc), "BadRequestError")
 
     @app.post("/v1/completions")
