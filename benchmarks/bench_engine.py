@@ -40,6 +40,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -96,18 +97,22 @@ def latency_summary(t0: float, stamps: list[float], n_tokens: int, prompt_len: i
     }
 
 
-def throughput_skip(args, latency: dict) -> dict | None:
-    """Predict the throughput run's length from the engine's own latency figures (prefill of all
-    prompts at its batch-1 prefill rate, plus `out_len` batched decode steps taken as 4x a batch-1
-    step) and skip it, with the reason, when that exceeds --max-run-s."""
+PROBE_N, PROBE_OUT = 4, 4  # the batched warm-up: PROBE_N prompts of prompt_len tokens, PROBE_OUT tokens each
+
+
+def throughput_skip(args, latency: dict, probe_s: float | None) -> dict | None:
+    """Predict the throughput run's length from the engine's own figures (the batched warm-up
+    scaled to `tp_prompts`, plus `out_len` batched decode steps taken as 4x a batch-1 step) and
+    skip it, with the reason, when that exceeds --max-run-s. kvbaton's own (eager) run always goes."""
+    if not args.tp:
+        return {"skipped": "latency only (throughput not requested for this variant)"}
     s = args.sizes
-    predicted = (s.tp_prompts * s.prompt_len / latency["prefill_tok_s"]
-                 + s.out_len * 4 * latency["decode_ms_per_tok"] / 1e3)
-    if not args.tp or predicted <= args.max_run_s:
-        return None if args.tp else {"skipped": "latency only (throughput not requested for this variant)"}
+    predicted = probe_s * s.tp_prompts / PROBE_N + s.out_len * 4 * latency["decode_ms_per_tok"] / 1e3
+    if predicted <= args.max_run_s or args.always_tp:
+        return None
     log(f"skipping throughput: predicted {predicted:.0f}s > --max-run-s {args.max_run_s:.0f}")
-    return {"skipped": f"predicted {predicted:.0f} s > --max-run-s {args.max_run_s:.0f} "
-                       f"(prefill {latency['prefill_tok_s']:.0f} tok/s)", "predicted_s": predicted}
+    return {"skipped": f"predicted {predicted:.0f} s > --max-run-s {args.max_run_s:.0f} (a batch of {PROBE_N} "
+                       f"prompts took {probe_s:.1f} s)", "predicted_s": predicted}
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -202,10 +207,13 @@ def worker_kvbaton(args) -> dict:
     tag = f"kvbaton-{args.dtype}-{args.compile}"
 
     t = time.perf_counter()
-    for i, p in enumerate(make_prompts(args.seed, f"{tag}-warm", 2, s.prompt_len, vocab)):
-        _kvbaton_latency(llm, p, 8, f"warm-{i}")
-    warm = make_prompts(args.seed, f"{tag}-warmbatch", 4, 64, vocab)
-    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=8, ignore_eos=True))
+    _kvbaton_latency(llm, make_prompts(args.seed, f"{tag}-warm", 1, s.prompt_len, vocab)[0], 8, "warm")
+    res["probe_s"] = None
+    if args.tp:
+        warm = make_prompts(args.seed, f"{tag}-warmbatch", PROBE_N, s.prompt_len, vocab)
+        t_probe = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=PROBE_OUT, ignore_eos=True))
+        res["probe_s"] = time.perf_counter() - t_probe
     res["warmup_s"] = time.perf_counter() - t
     log(f"kvbaton {args.dtype} compile={args.compile}: loaded in {load_s:.1f}s, warm-up {res['warmup_s']:.1f}s")
 
@@ -215,7 +223,7 @@ def worker_kvbaton(args) -> dict:
     log(f"kvbaton latency: {res['latency']['decode_ms_per_tok']:.2f} ms/tok, "
         f"prefill {res['latency']['prefill_tok_s']:.0f} tok/s")
 
-    skip = throughput_skip(args, res["latency"])
+    skip = throughput_skip(args, res["latency"], res["probe_s"])
     if skip:
         return res | {"throughput": skip}
     prompts = make_prompts(args.seed, "throughput", s.tp_prompts, s.prompt_len, vocab)
@@ -281,13 +289,13 @@ def worker_hf(args) -> dict:
 
     t = time.perf_counter()
     one(make_prompts(args.seed, "hf-warm", 1, s.prompt_len, vocab)[0], 8)
-    batch(make_prompts(args.seed, "hf-warmbatch", 4, 64, vocab), 8)
+    res["probe_s"], _ = batch(make_prompts(args.seed, "hf-warmbatch", PROBE_N, s.prompt_len, vocab), PROBE_OUT)
     res["warmup_s"] = time.perf_counter() - t
     runs = [one(p, s.out_len) for p in make_prompts(args.seed, "latency", s.latency_repeats, s.prompt_len, vocab)]
     res["latency"] = best_of(runs)
     log(f"hf latency: {res['latency']['decode_ms_per_tok']:.2f} ms/tok, "
         f"prefill {res['latency']['prefill_tok_s']:.0f} tok/s")
-    skip = throughput_skip(args, res["latency"])
+    skip = throughput_skip(args, res["latency"], res["probe_s"])
     if skip:
         return res | {"throughput": skip}
     elapsed, n_out = batch(make_prompts(args.seed, "throughput", s.tp_prompts, s.prompt_len, vocab), s.out_len)
@@ -312,6 +320,81 @@ def cpu_busy(interval: float = 1.0) -> float:
     time.sleep(interval)
     total1, idle1 = sample()
     return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+class LoadMonitor(threading.Thread):
+    """Samples every process's CPU time every `interval` s and adds up what processes outside this
+    benchmark (this process, its descendants, and the servers it started) use: on a shared 2-core
+    machine, any of that shows directly in the figures, so each measurement records it."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.roots = {os.getpid()}
+        self.others_s = 0.0
+        self._hz = os.sysconf("SC_CLK_TCK")
+        self._prev: dict[int, int] | None = None
+
+    @staticmethod
+    def _snapshot() -> dict[int, tuple[int, int]]:
+        procs = {}
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                rest = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            procs[int(d)] = (int(rest[1]), int(rest[11]) + int(rest[12]))  # ppid, utime + stime
+        return procs
+
+    def run(self) -> None:
+        while True:
+            cur = self._snapshot()
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, _) in cur.items():
+                children.setdefault(ppid, []).append(pid)
+            family, stack = set(), list(self.roots)
+            while stack:
+                pid = stack.pop()
+                if pid not in family:
+                    family.add(pid)
+                    stack += children.get(pid, [])
+            if self._prev is not None:
+                ticks = sum(t - self._prev.get(pid, 0) for pid, (_, t) in cur.items() if pid not in family)
+                self.others_s += max(0, ticks) / self._hz
+            self._prev = {pid: t for pid, (_, t) in cur.items()}
+            time.sleep(self.interval)
+
+    def window(self) -> LoadWindow:
+        return LoadWindow(self)
+
+
+class LoadWindow:
+    """`with monitor.window() as w:` ... then `w.cores`: mean CPU cores used by others meanwhile."""
+
+    def __init__(self, monitor: LoadMonitor) -> None:
+        self.monitor, self.cores = monitor, 0.0
+
+    def __enter__(self) -> LoadWindow:
+        self.t0, self.s0 = time.perf_counter(), self.monitor.others_s
+        return self
+
+    def __exit__(self, *exc) -> None:
+        time.sleep(self.monitor.interval * 1.5)  # let the last sample land
+        elapsed = time.perf_counter() - self.t0
+        self.cores = (self.monitor.others_s - self.s0) / elapsed
+
+
+MONITOR = LoadMonitor()
+
+
+def record_load(args, res: dict, what: str, window: LoadWindow) -> None:
+    res["other_load_cores"] = round(window.cores, 3)
+    if window.cores > 0.1:
+        msg = f"other processes used {window.cores:.2f} cores on average during {what}"
+        log("WARNING: " + msg)
+        args.busy_notes.append(msg)
 
 
 def wait_idle(args, what: str) -> float:
@@ -345,8 +428,11 @@ def run_worker(kind: str, args, dtype: str | None = None, compile_: bool = False
             cmd.append("--_no_tp")
     env = thread_env(args.threads)
     t = time.perf_counter()
+    what = f"{kind} {dtype or ''}{' compile' if compile_ else ''}".strip()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, timeout=args.sizes.worker_timeout_s)
+        with MONITOR.window() as window:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
+                                  timeout=args.sizes.worker_timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.sizes.worker_timeout_s}s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
@@ -355,6 +441,7 @@ def run_worker(kind: str, args, dtype: str | None = None, compile_: bool = False
     res = json.loads(lines[-1][len(RESULT_TAG):])
     res["wall_s"] = time.perf_counter() - t
     res["busy_before"] = busy
+    record_load(args, res, what, window)
     return res
 
 
@@ -471,12 +558,15 @@ def measure_server(base: str, model: str, args, vocab: int, tag: str, throughput
     t = time.perf_counter()
     for p in make_prompts(args.seed, f"{tag}-warm", 1, s.prompt_len, vocab):
         asyncio.run(_stream_one(base, model, p, 4, extra))
+    if throughput:
+        probe = make_prompts(args.seed, f"{tag}-warmbatch", PROBE_N, s.prompt_len, vocab)
+        res["probe_s"] = asyncio.run(_complete_many(base, model, probe, PROBE_OUT, extra))["elapsed_s"]
     res["warmup_s"] = time.perf_counter() - t
     prompts = make_prompts(args.seed, "latency", s.latency_repeats, s.prompt_len, vocab)
     res["latency"] = best_of([asyncio.run(_stream_one(base, model, p, s.out_len, extra)) for p in prompts])
     log(f"{tag} latency: {res['latency']['decode_ms_per_tok']:.2f} ms/tok, "
         f"prefill {res['latency']['prefill_tok_s']:.0f} tok/s")
-    skip = throughput_skip(args, res["latency"]) if throughput else None
+    skip = throughput_skip(args, res["latency"], res["probe_s"]) if throughput else None
     if skip:
         res["throughput"] = skip
     elif throughput:
@@ -502,11 +592,14 @@ def run_vllm(args, dtype: str, vocab: int) -> dict:
     if proc.returncode != 0:
         return {"error": f"vllm serve failed: {proc.stderr[-1500:]}", "version": version}
     pid = int(proc.stdout.strip().splitlines()[-1])
+    MONITOR.roots.add(pid)
     res = {"version": version, "startup_s": time.perf_counter() - t, "busy_before": busy,
            "log": str(Path(args.peer_dir) / f"vllm-serve-{port}.log")}
     try:
-        res |= measure_server(f"http://127.0.0.1:{port}", Path(args.model_dir).name, args, vocab, f"vllm-{dtype}",
-                              True, {})
+        with MONITOR.window() as window:
+            res |= measure_server(f"http://127.0.0.1:{port}", Path(args.model_dir).name, args, vocab,
+                                  f"vllm-{dtype}", True, {})
+        record_load(args, res, f"vllm {dtype}", window)
     except Exception as exc:
         res["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -551,7 +644,9 @@ def run_llamacpp(args, dtype: str, vocab: int) -> dict:
         cmd += ["-d", f"0,{s.prompt_len}"]
     res["busy_before"] = wait_idle(args, f"llama.cpp {dtype}")
     log(f"llama.cpp {dtype}: {' '.join(cmd[1:])}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=thread_env(args.threads))
+    with MONITOR.window() as window:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=thread_env(args.threads))
+    record_load(args, res, f"llama-bench {dtype}", window)
     if proc.returncode != 0:
         return res | {"error": f"llama-bench failed: {proc.stderr[-1500:]}"}
     rows = json.loads(proc.stdout)
@@ -573,9 +668,12 @@ def run_llamacpp(args, dtype: str, vocab: int) -> dict:
     if proc.returncode != 0:
         return res | {"server_error": proc.stderr[-1500:]}
     pid = int(proc.stdout.strip().splitlines()[-1])
+    MONITOR.roots.add(pid)
     try:
-        res["server"] = measure_server(f"http://127.0.0.1:{port}", gguf.stem, args, vocab, f"llama-server-{dtype}",
-                                       False, {"cache_prompt": False})
+        with MONITOR.window() as window:
+            res["server"] = measure_server(f"http://127.0.0.1:{port}", gguf.stem, args, vocab,
+                                           f"llama-server-{dtype}", False, {"cache_prompt": False})
+        record_load(args, res["server"], f"llama-server {dtype}", window)
     except Exception as exc:
         res["server_error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -633,9 +731,11 @@ def engine_rows(dres: dict) -> list[dict]:
             rows.append({"engine": name, "note": r.get("skipped") or r.get("error")})
             return
         lat, tp = r.get("latency") or {}, r.get("throughput") or {}
+        note = note or r.get("error") or (f"throughput: {tp['skipped']}" if "skipped" in tp else "")
+        if r.get("other_load_cores", 0) > 0.1:
+            note += f" (other processes used {r['other_load_cores']:.2f} cores meanwhile)"
         rows.append({"engine": name, "decode_ms": lat.get("decode_ms_per_tok"),
-                     "prefill_tok_s": lat.get("prefill_tok_s"), "tput_tok_s": tp.get("output_tok_s"),
-                     "note": note or r.get("error") or (f"throughput: {tp['skipped']}" if "skipped" in tp else "")})
+                     "prefill_tok_s": lat.get("prefill_tok_s"), "tput_tok_s": tp.get("output_tok_s"), "note": note})
 
     add("kvbaton", dres.get("kvbaton"))
     add("kvbaton compile=True", dres.get("kvbaton_compile"))
@@ -646,9 +746,11 @@ def engine_rows(dres: dict) -> list[dict]:
         if "bench" in lc:
             b = lc["bench"]
             tg = b["tg_tok_s_at_depth"]
+            note = f"pp{args_prompt(lc)}, tg at depth {b['tg_depth']}"
+            if lc.get("other_load_cores", 0) > 0.1:
+                note += f" (other processes used {lc['other_load_cores']:.2f} cores meanwhile)"
             rows.append({"engine": "llama.cpp (llama-bench)", "decode_ms": 1e3 / tg if tg else None,
-                         "prefill_tok_s": b["pp_tok_s"], "tput_tok_s": None,
-                         "note": f"pp{args_prompt(lc)}, tg at depth {b['tg_depth']}"})
+                         "prefill_tok_s": b["pp_tok_s"], "tput_tok_s": None, "note": note})
             if "server" in lc:
                 add("llama.cpp (llama-server)", lc["server"])
             elif "server_error" in lc:
@@ -761,7 +863,8 @@ def environment() -> dict:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="both", choices=["bfloat16", "float32", "both"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "both"],
+                    help="bfloat16 (default: what kvbaton's dtype=auto picks), float32, or both (~40 min)")
     ap.add_argument("--peers", default="hf,vllm,llamacpp",
                     help="comma-separated subset of hf,vllm,llamacpp ('' or 'none': kvbaton only)")
     ap.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
@@ -778,7 +881,8 @@ def parse_args(argv=None):
                     help="before each engine, wait up to this many seconds for other CPU load to go")
     ap.add_argument("--_worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--max-run-s", type=float, default=240.0,
-                    help="skip an engine's throughput run when its latency figures predict it takes longer")
+                    help="skip a peer's throughput run when a batched warm-up predicts it takes longer "
+                         "(kvbaton's own run always goes)")
     ap.add_argument("--_compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_no_tp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -787,6 +891,7 @@ def parse_args(argv=None):
     args.compile = args._compile
     args.busy_notes = []
     args.tp = not args._no_tp
+    args.always_tp = args._worker == "kvbaton" and not args._compile
     return args
 
 
@@ -815,6 +920,7 @@ def main(argv=None) -> int:
     results = {"started": started.isoformat(timespec="seconds"), "command": command, "seed": args.seed,
                "threads": args.threads, "sizes": asdict(args.sizes), "model_dir": args.model_dir,
                "model": facts, "environment": environment(), "dtypes": {}, "notes": []}
+    MONITOR.start()
     log("measuring memory bandwidth")
     results["bandwidth"] = bw = run_worker("bandwidth", args)
     log(f"bandwidth: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in bw.items()})}")
