@@ -30,12 +30,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
+    p.add_argument("--no-kernels", action="store_true", help="PyTorch ops only, without kvbaton's C CPU kernels")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads,
-        compile=args.compile,
+        compile=args.compile, kernels=not args.no_kernels,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),

@@ -165,6 +165,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     compile: bool = False
+    kernels: bool = True  # kvbaton's C CPU kernels (built on first use); False: PyTorch ops only
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

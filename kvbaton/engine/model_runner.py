@@ -9,6 +9,7 @@ import torch
 
 from kvbaton.config import ModelConfig
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvbaton.kernels import paged_decode_kernel
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.layers.sampler import SamplingRow, sample
 from kvbaton.models.llama import KVCache, LlamaForCausalLM
@@ -42,12 +43,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 seed: int = 0, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), use_kernels: bool = True) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.dtype = dtype
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype)
+        cfg = model.config
+        self.decode_kernel = (paged_decode_kernel(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+                              if use_kernels else None)
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
 
@@ -77,14 +81,15 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s.start_position, s.start_position + s.num_tokens) for s in ordered])
         slot_mapping = torch.cat([self._slots(s, s.start_position, s.start_position + s.num_tokens)
                                   for s in ordered])
-        decode_table, decode_mask = self._decode_context(decodes)
+        decode_table, decode_lens, decode_mask = self._decode_context(decodes)
         spans, offset = [], len(decodes)
         for s in prefills:
             spans.append(self._prefill_span(s, offset))
             offset += s.num_tokens
         ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
         sample_rows = [i for i, s in enumerate(ordered) if s.sample]
-        meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_mask, tuple(spans))
+        meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_lens, decode_mask,
+                                 tuple(spans), self.decode_kernel)
         return StepInputs(input_ids, positions, meta, ends[sample_rows], [ordered[i] for i in sample_rows])
 
     def _block_table(self, block_ids: list[int]) -> torch.Tensor:
@@ -95,18 +100,21 @@ class ModelRunner:
         blocks = self._block_table(s.block_ids)[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
 
-    def _decode_context(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _decode_context(self, decodes: list[ScheduledRequest]) -> tuple[torch.Tensor | None, ...]:
+        """Block table and context lengths of the decodes; the PyTorch path also needs a mask."""
         if not decodes:
-            return None, None
+            return None, None, None
         context_lens = torch.tensor([s.start_position + 1 for s in decodes])  # [B]
         max_blocks = max(self._num_blocks(s.start_position + 1) for s in decodes)
         table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # [B, nb]
         for i, s in enumerate(decodes):
             ids = s.block_ids[: self._num_blocks(s.start_position + 1)]
             table[i, : len(ids)] = self._block_table(ids)
+        if self.decode_kernel is not None:
+            return table, context_lens, None
         visible = torch.arange(max_blocks * self.block_size).unsqueeze(0) < context_lens.unsqueeze(1)  # [B, L]
         mask = torch.zeros(visible.shape, dtype=self.dtype).masked_fill_(~visible, float("-inf"))
-        return table, mask[:, None, None, :]
+        return table, context_lens, mask[:, None, None, :]
 
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbaton.kernels import PagedDecodeKernel
+
 
 @dataclass(frozen=True)
 class PrefillSpan:
@@ -38,8 +40,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] pool slot of each new token
     num_decodes: int
     decode_block_table: torch.Tensor | None  # [B, nb] blocks per decode (padded with block 0)
-    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] additive: 0 attended, -inf not
+    decode_context_lens: torch.Tensor | None  # [B] int64
+    decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] additive: 0 attended, -inf not; PyTorch path only
     prefills: tuple[PrefillSpan, ...]
+    decode_kernel: PagedDecodeKernel | None = None  # the C kernel; None: batched matmuls
 
 
 class PagedAttention(torch.nn.Module):
@@ -75,6 +79,9 @@ class PagedAttention(torch.nn.Module):
         return paged[blocks].flatten(-5, -4)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_kernel is not None:
+            return meta.decode_kernel(q, kv_cache, meta.decode_block_table, meta.decode_context_lens,
+                                      meta.block_size, self.scale)
         # NOTE: one query per request, so plain batched matmuls beat SDPA's flash kernel;
         # the G query heads sharing a KV head ride along as rows (GQA without repeating K/V).
         batch = q.shape[0]

@@ -5,6 +5,8 @@ fine for one-row decodes, which are memory-bound and gain from reading half the 
 but several times slower than fp32 for many rows (prefill, big batches), which are
 compute-bound. With `upcast_min_rows` set, inputs of at least that many rows are computed
 in fp32 from the same bf16 weights (converted on the fly: cheap next to the GEMM itself).
+A few rows against bf16 weights go to a C kernel (`kvbaton.kernels`) that streams the
+weights at memory speed, which PyTorch's emulated bf16 GEMM does not.
 """
 
 from __future__ import annotations
@@ -13,11 +15,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbaton.kernels import SmallBatchLinear
+
 
 class Linear(nn.Linear):
     upcast_min_rows: int | None = None  # None: always compute in the weights' dtype
+    small_batch_kernel: SmallBatchLinear | None = None  # C kernel for a few rows against bf16 weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = self.small_batch_kernel
+        if kernel is not None and kernel.handles(x, self.weight):
+            return kernel(x, self.weight, self.bias)
         rows = self.upcast_min_rows
         if rows is not None and x.dtype != torch.float32 and x.numel() >= rows * x.shape[-1]:
             bias = None if self.bias is None else self.bias.float()
@@ -25,7 +33,9 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def set_upcast_min_rows(model: nn.Module, rows: int | None) -> None:
+def set_compute_paths(model: nn.Module, upcast_min_rows: int | None,
+                      small_batch_kernel: SmallBatchLinear | None) -> None:
     for module in model.modules():
         if isinstance(module, Linear):
-            module.upcast_min_rows = rows
+            module.upcast_min_rows = upcast_min_rows
+            module.small_batch_kernel = small_batch_kernel
