@@ -72,10 +72,12 @@ class KVCacheManager:
         return self.pool.num_blocks * self.block_size
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> bool:
+                       new_computed_blocks: list[KVBlock] | None = None, index_blocks: bool = True) -> bool:
         """Give `req` slots for `num_new_tokens` more tokens (after any prefix-cache hits).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False, changing nothing, when the pool cannot supply the blocks. With
+        `index_blocks=False` the new blocks stay out of the prefix-cache index (their content
+        is still to arrive from another worker; see `index_computed_blocks`).
         """
         hits = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(req.request_id, [])
@@ -91,8 +93,13 @@ class KVCacheManager:
         blocks.extend(hits)
         if num_needed > 0:
             blocks.extend(self.pool.take(num_needed))
-        self._cache_full_blocks(req, blocks, min(num_total, req.num_tokens))
+        if index_blocks:
+            self._cache_full_blocks(req, blocks, min(num_total, req.num_tokens))
         return True
+
+    def index_computed_blocks(self, req: Request, num_tokens: int) -> None:
+        """Put the request's full blocks among its first `num_tokens` into the prefix-cache index."""
+        self._cache_full_blocks(req, self.req_blocks.get(req.request_id, []), num_tokens)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ import torch
 from kvbaton.config import ModelConfig
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
 from kvbaton.kernels import paged_decode_kernel
+from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.layers.sampler import SamplingRow, sample
 from kvbaton.models.llama import KVCache, LlamaForCausalLM
@@ -54,6 +56,8 @@ class ModelRunner:
                               if use_kernels else None)
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
+        self.kv_sender: KVSender | None = None  # prefill role: set by the worker
+        self.failed_transfers: list[tuple[str, str]] = []  # (request_id, reason), drained by the worker
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -62,8 +66,11 @@ class ModelRunner:
         if sched.is_empty:
             return ModelOutput({})
         inputs = self.prepare_inputs(sched.scheduled)
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                            inputs.logits_indices)
+        meta = inputs.meta
+        outgoing = self._begin_transfers(sched.scheduled)
+        if outgoing:
+            meta = dataclasses.replace(meta, after_layer=lambda layer: self.kv_sender.save_layer(layer, outgoing))
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices)
         rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s))
                 for s in inputs.sampled]
         tokens, logprobs = sample(logits, rows)
@@ -71,6 +78,28 @@ class ModelRunner:
             {s.request_id: t for s, t in zip(inputs.sampled, tokens)},
             {s.request_id: lp for s, lp in zip(inputs.sampled, logprobs) if lp is not None},
         )
+
+    def _begin_transfers(self, scheduled: list[ScheduledRequest]) -> list[str]:
+        """Prefill role: register the KV hand-off of every request whose prompt ends this step,
+        so each layer can go out as soon as it is computed. Refusals land in `failed_transfers`."""
+        started = []
+        for s in scheduled:
+            remote = s.remote_decode
+            if remote is None:
+                continue
+            spec = TransferSpec(s.request_id, s.block_ids[remote.skip_blocks:], list(remote.dst_block_ids),
+                                remote.receiver, remote.layout, remote.deadline_s)
+            try:
+                if self.kv_sender is None:
+                    raise RuntimeError("this worker has no KV sender (not started in the prefill role)")
+                if len(spec.src_block_ids) != len(spec.dst_block_ids):
+                    raise ValueError(f"{len(spec.src_block_ids)} blocks to send but {len(spec.dst_block_ids)} "
+                                     "reserved by the receiver")
+                self.kv_sender.begin(spec)
+                started.append(s.request_id)
+            except (ValueError, RuntimeError) as exc:
+                self.failed_transfers.append((s.request_id, str(exc)))
+        return started
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # NOTE: single-token chunks (decodes) go first and share one batched attention call.

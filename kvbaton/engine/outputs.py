@@ -4,7 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.kv.layout import KVLayout
+
+
+class RemoteDecode(msgspec.Struct, frozen=True):
+    """On a prefill worker: where this request's KV goes once its prompt is computed.
+
+    The decode worker already holds the first `skip_blocks` blocks of the prompt (its own
+    prefix-cache hit); the rest go into its `dst_block_ids`, in order."""
+
+    receiver: str
+    dst_block_ids: list[int]
+    skip_blocks: int
+    layout: KVLayout  # the receiver's: the sender refuses a mismatch
+    deadline_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -18,6 +34,7 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the request's last token, so a next token is sampled
     sampling_params: SamplingParams
     num_output_tokens: int  # before this step; seeds per-request sampling state
+    remote_decode: RemoteDecode | None = None  # prefill worker: send the prompt's KV when this chunk ends it
 
     @property
     def num_tokens(self) -> int:

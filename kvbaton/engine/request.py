@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvbaton.engine.outputs import RemoteDecode
 from kvbaton.engine.sampling_params import SamplingParams
 
 
@@ -16,11 +17,15 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # A prefill worker's request whose KV is on its way to a decode worker: done here, blocks
+    # held until the transfer ends. The client's request goes on elsewhere.
+    FINISHED_TRANSFERRED = "transfer"
+    WAITING_FOR_KV = "waiting_for_kv"  # a decode worker's request whose KV is being received
 
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TRANSFERRED)
 
 
 @dataclass
@@ -39,6 +44,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
     first_scheduled_time: float | None = None
+    remote_decode: RemoteDecode | None = None  # prefill role: hand the KV off after the prompt
 
     @property
     def all_token_ids(self) -> list[int]:

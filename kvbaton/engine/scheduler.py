@@ -34,6 +34,9 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by (priority, arrival)
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0
+        # Disaggregation: requests that hold blocks but take no steps.
+        self.held: dict[str, Request] = {}  # prefill role: KV being sent, freed by release_held()
+        self.receiving: dict[str, Request] = {}  # decode role: KV being received into reserved blocks
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -46,12 +49,56 @@ class Scheduler:
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
         """End requests from outside the step (abort, stop string); frees blocks at once."""
         for request_id in request_ids:
+            if request_id in self.receiving:
+                self.cancel_receive(request_id)
             req = self.requests.get(request_id)
             if req is None or req.is_finished:
                 continue
             queue = self.running if req.status == RequestStatus.RUNNING else self.waiting
             queue.remove(req)
             self._finish(req, status)
+
+    # ---- disaggregation: the prefill side holds, the decode side receives -----------------
+
+    def release_held(self, request_id: str) -> None:
+        """The KV of a transferred request has been sent (or the transfer failed): free it."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv_cache.free(req)
+
+    def reserve_for_transfer(self, req: Request) -> tuple[int, list[int]] | None:
+        """Reserve blocks for `req`'s whole prompt, reusing this pool's cached prefix.
+
+        Returns (tokens already cached here, the blocks the rest must be written into), or
+        None when the pool has no room now. The reserved blocks stay out of the prefix-cache
+        index and out of every step until `admit_transferred` or `cancel_receive`."""
+        if req.request_id in self.requests or req.request_id in self.receiving:
+            raise ValueError(f"duplicate request id {req.request_id!r}")
+        hits, num_hit = self.kv_cache.get_computed_blocks(req)
+        if not self.kv_cache.allocate_slots(req, req.num_tokens - num_hit, hits, index_blocks=False):
+            return None
+        self.kv_cache.record_lookup(req.num_tokens, num_hit)
+        req.num_cached_tokens = num_hit
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.receiving[req.request_id] = req
+        block_ids = self.kv_cache.block_ids(req.request_id)
+        return num_hit, block_ids[num_hit // self.kv_cache.block_size:]
+
+    def admit_transferred(self, request_id: str, first_token: int) -> None:
+        """The prompt's KV has arrived and the prefill worker sampled `first_token`: decode on."""
+        req = self.receiving.pop(request_id)
+        req.num_computed_tokens = len(req.prompt_token_ids)
+        self.kv_cache.index_computed_blocks(req, req.num_computed_tokens)
+        req.output_token_ids.append(first_token)
+        req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        self.requests[request_id] = req
+        insort(self.running, req, key=_order)
+
+    def cancel_receive(self, request_id: str) -> None:
+        req = self.receiving.pop(request_id, None)
+        if req is not None:
+            self.kv_cache.free(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -162,6 +209,7 @@ class Scheduler:
                 sample=start + num_new == req.num_tokens,
                 sampling_params=req.sampling_params,
                 num_output_tokens=req.num_output_tokens,
+                remote_decode=req.remote_decode if start + num_new == req.num_tokens else None,
             ))
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         return SchedulerOutput(scheduled, finished, sum(chosen.values()),
@@ -179,11 +227,16 @@ class Scheduler:
         # NOTE: a request alone in a full pool cannot grow (it would preempt itself forever).
         if req.num_tokens >= min(self.max_model_len, self.kv_cache.capacity_tokens):
             return RequestStatus.FINISHED_LENGTH, None
+        if req.remote_decode is not None:
+            return RequestStatus.FINISHED_TRANSFERRED, None
         return None, None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv_cache.free(req)
+        if status == RequestStatus.FINISHED_TRANSFERRED:
+            self.held[req.request_id] = req  # its KV is still being read by the transfer
+        else:
+            self.kv_cache.free(req)
         self._finished_ids.add(req.request_id)
         del self.requests[req.request_id]
 
@@ -199,5 +252,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
-        live = {r.request_id for r in self.running}
+        live = {r.request_id for r in self.running} | set(self.held) | set(self.receiving)
         assert set(self.kv_cache.req_blocks) <= live, "blocks held by a request that is not running"

@@ -7,10 +7,15 @@ transport moves (`pool.view(num_blocks, -1)[block_id]`).
 
 from __future__ import annotations
 
-import msgspec
-import torch
+from typing import TYPE_CHECKING
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+import msgspec
+
+if TYPE_CHECKING:
+    import torch
+
+# NOTE: no torch import at module level: the scheduler (which imports no torch) carries layouts.
+ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
 
 
 class KVLayoutMismatch(ValueError):
@@ -28,12 +33,14 @@ class KVLayout(msgspec.Struct, frozen=True):
     def of(cls, kv_caches: list[torch.Tensor], block_size: int) -> KVLayout:
         _, two, num_kv_heads, head_dim = kv_caches[0].shape
         assert two == 2, "pool layout is [slots, 2, Hkv, D]"
-        dtype = next(name for name, dt in DTYPES.items() if dt == kv_caches[0].dtype)
+        dtype = str(kv_caches[0].dtype).removeprefix("torch.")
         return cls(len(kv_caches), block_size, num_kv_heads, head_dim, dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def block_numel(self) -> int:
@@ -42,7 +49,7 @@ class KVLayout(msgspec.Struct, frozen=True):
 
     @property
     def block_bytes(self) -> int:
-        return self.block_numel * torch.empty(0, dtype=self.torch_dtype).element_size()
+        return self.block_numel * ELEMENT_BYTES[self.dtype]
 
     def check_compatible(self, other: KVLayout) -> None:
         if self == other:

@@ -13,6 +13,7 @@ Block tables and masks are built once per step (`AttentionMetadata`) and shared 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,8 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] additive: 0 attended, -inf not; PyTorch path only
     prefills: tuple[PrefillSpan, ...]
     decode_kernel: PagedDecodeKernel | None = None  # the C kernel; None: batched matmuls
+    # Called with a layer's index once its K/V are in the pool (layer-wise KV transfer).
+    after_layer: Callable[[int], None] | None = None
 
 
 class PagedAttention(torch.nn.Module):

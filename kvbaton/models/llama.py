@@ -91,7 +91,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
         cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(cos_sin, x, kv_cache, meta)
+            if meta.after_layer is not None:
+                meta.after_layer(i)
         x = self.norm(x[logits_indices])  # [S, E]: only rows that are sampled
         return self.lm_head(x).float()  # [S, V]
