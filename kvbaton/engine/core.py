@@ -129,8 +129,11 @@ class EngineCore:
         gc.collect()
         gc.freeze()
 
-    def add_request(self, req: Request) -> None:
+    def validate(self, req: Request) -> None:
         validate_request(self.info, req.prompt_token_ids, req.sampling_params)
+
+    def add_request(self, req: Request) -> None:
+        self.validate(req)
         self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:

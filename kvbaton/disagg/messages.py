@@ -1,0 +1,136 @@
+"""Typed messages between the router (in the frontend) and its workers; signed by `channel.py`.
+
+    router -> worker:  AddRequest, PrepareReceive, StartDecode, CancelReceive, AbortRequests, Drain, Shutdown
+    worker -> router:  WorkerHello, Heartbeat, WorkerOutputs, RequestFailed, ReceiveReady, ReceiveRefused,
+                       TransferFailed, Drained
+
+Request ids on this channel are the router's *attempt* ids (`<client id>.<attempt>`), so when
+a request is re-dispatched after a failure, late messages about an earlier attempt are told
+apart and dropped.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvbaton.engine.core import EngineInfo, EngineStats
+from kvbaton.engine.outputs import EngineCoreOutput, RemoteDecode
+from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.kv.layout import KVLayout
+
+# ---- router -> worker ----------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    """Compute this request here. With `remote_decode`, only its prompt (prefill role)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    remote_decode: RemoteDecode | None = None
+
+
+class PrepareReceive(msgspec.Struct, tag="prepare"):
+    """Decode role: reserve blocks for this prompt's KV; answer ReceiveReady or ReceiveRefused."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    deadline_s: float = 30.0
+
+
+class StartDecode(msgspec.Struct, tag="start"):
+    """The prefill worker sampled the first token; decode on once the KV is in."""
+
+    request_id: str
+    first_token_id: int
+
+
+class CancelReceive(msgspec.Struct, tag="cancel"):
+    request_ids: list[str]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+    reason: str = "abort"  # "abort" | "stop" (the frontend saw a stop string)
+
+
+class Drain(msgspec.Struct, tag="drain"):
+    """Take no new requests; report Drained once nothing is in flight."""
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+ToWorker = AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortRequests | Drain | Shutdown
+
+# ---- worker -> router ----------------------------------------------------------------------
+
+
+class WorkerLoad(msgspec.Struct):
+    stats: EngineStats
+    num_receiving: int  # decode role: transfers being received
+    num_sending: int  # prefill role: transfers being sent
+
+
+class WorkerHello(msgspec.Struct, tag="hello"):
+    name: str
+    role: str
+    index: int
+    pid: int
+    address: str  # the worker's command socket
+    info: EngineInfo
+    layout: KVLayout
+    receiver: str | None  # its KV receiver's address (decode / both roles)
+    load: WorkerLoad
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    name: str
+    load: WorkerLoad
+
+
+class WorkerOutputs(msgspec.Struct, tag="outputs"):
+    name: str
+    outputs: list[EngineCoreOutput]
+    load: WorkerLoad
+
+
+class RequestFailed(msgspec.Struct, tag="failed"):
+    """The worker refused a request (invalid input): the client gets an error."""
+
+    name: str
+    request_id: str
+    message: str
+
+
+class ReceiveReady(msgspec.Struct, tag="ready"):
+    name: str
+    request_id: str
+    num_cached_tokens: int  # prompt tokens already in this worker's prefix cache
+    dst_block_ids: list[int]  # where the rest goes
+
+
+class ReceiveRefused(msgspec.Struct, tag="refused"):
+    name: str
+    request_id: str
+    reason: str
+
+
+class TransferFailed(msgspec.Struct, tag="transfer_failed"):
+    """A KV transfer ended without the data (timeout, peer gone, layout mismatch)."""
+
+    name: str
+    request_id: str
+    reason: str
+
+
+class Drained(msgspec.Struct, tag="drained"):
+    name: str
+
+
+FromWorker = (WorkerHello | Heartbeat | WorkerOutputs | RequestFailed | ReceiveReady | ReceiveRefused
+              | TransferFailed | Drained)

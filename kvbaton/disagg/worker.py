@@ -1,0 +1,284 @@
+"""A worker process: one engine core in a role (prefill, decode, or both), driven by the router.
+
+    python -m kvbaton.disagg.worker --spec-json '<WorkerSpec as JSON>'   (secret in $KVBATON_CLUSTER_SECRET)
+
+Sockets: a PULL socket bound on the address it was given (port chosen by the OS) for commands,
+and a PUSH socket to the router for events. Every frame is signed (`channel.py`); a frame that
+fails verification is logged and dropped and the worker goes on.
+
+The loop: take every pending command, move KV transfers along (connector polls), run one
+engine step if anything is runnable, push its outputs; a heartbeat with the worker's load
+goes out every `heartbeat_s` even when idle, so the router notices a dead worker in bounded time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+
+import msgspec
+import zmq
+
+from kvbaton.config import ModelConfig
+from kvbaton.disagg.channel import MAX_CONTROL_FRAME_BYTES, SECRET_ENV, SignedCodec
+from kvbaton.disagg.messages import (
+    AbortRequests,
+    AddRequest,
+    CancelReceive,
+    Drain,
+    Drained,
+    FromWorker,
+    Heartbeat,
+    PrepareReceive,
+    ReceiveReady,
+    ReceiveRefused,
+    RequestFailed,
+    Shutdown,
+    StartDecode,
+    ToWorker,
+    TransferFailed,
+    WorkerHello,
+    WorkerLoad,
+    WorkerOutputs,
+)
+from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.engine.core import EngineCore
+from kvbaton.engine.request import Request, RequestStatus
+from kvbaton.engine.sampling_params import InvalidRequestError
+from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
+from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender
+from kvbaton.kv.layout import KVLayout
+from kvbaton.models.registry import resolve_model
+
+logger = logging.getLogger("kvbaton.worker")
+BUSY_POLL_MS = 2  # while transfers are in flight but nothing is runnable
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, secret: bytes, core: EngineCore, ctx: zmq.Context,
+                 exit_with_parent: bool = False) -> None:
+        self.spec, self.core, self.name = spec, core, spec.name
+        self.commands = ctx.socket(zmq.PULL)
+        self.commands.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME_BYTES)
+        port = self.commands.bind_to_random_port(f"tcp://{spec.host}")
+        self.address = f"tcp://{spec.host}:{port}"
+        self.events = ctx.socket(zmq.PUSH)
+        self.events.setsockopt(zmq.LINGER, 1000)
+        self.events.connect(spec.router)
+        self.codec_in = SignedCodec(secret, ToWorker)
+        self.codec_out = SignedCodec(secret, FromWorker)
+        self.layout = KVLayout.of(core.runner.kv_caches, core.info.block_size)
+        conn = ConnectorConfig(spec.connector.transport, secret, spec.connector.host, spec.connector.redis_url,
+                               spec.connector.redis_ttl_s, spec.name)
+        self.sender = make_sender(conn, self.layout, core.runner.kv_caches) if spec.role == "prefill" else None
+        self.receiver = make_receiver(conn, self.layout, core.runner.kv_caches) if spec.role != "prefill" else None
+        core.runner.kv_sender = self.sender
+        self.first_tokens: dict[str, int] = {}  # decode side: StartDecode seen, KV maybe not yet
+        self.kv_arrived: set[str] = set()  # decode side: KV in, StartDecode maybe not yet
+        self.running = True
+        self.draining = False
+        self._parent_pid = os.getppid() if exit_with_parent else None
+        self._next_heartbeat = 0.0
+
+    # ---- loop --------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        self._send(WorkerHello(self.name, self.spec.role, self.spec.index, os.getpid(), self.address, self.core.info,
+                               self.layout, self.receiver.address if self.receiver else None, self._load()))
+        logger.info("%s ready: commands on %s", self.name, self.address)
+        while self.running:
+            if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                logger.error("launcher is gone; exiting")
+                return
+            runnable = self.core.has_unfinished_requests()
+            self._drain_commands(0 if runnable else self._idle_wait_ms())
+            self._move_transfers()
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                self._report_transfer_refusals()
+                self._send(WorkerOutputs(self.name, outputs, self._load()))
+            self._maybe_heartbeat()
+            if self.draining and self._idle():
+                self._send(Drained(self.name))
+                self.draining = False
+
+    def _idle_wait_ms(self) -> int:
+        if self._transfers_in_flight():
+            return BUSY_POLL_MS
+        return max(1, int(min(self.spec.heartbeat_s, self._next_heartbeat - time.monotonic()) * 1000))
+
+    def _drain_commands(self, block_ms: int) -> None:
+        while self.commands.poll(block_ms):
+            block_ms = 0
+            frame = self.commands.recv(copy=False)
+            msg = self.codec_in.try_decode(frame.buffer, self.name)
+            if msg is not None:
+                self._handle(msg)
+
+    # ---- commands ----------------------------------------------------------------------------
+
+    def _handle(self, msg) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg)
+        elif isinstance(msg, PrepareReceive):
+            self._prepare(msg)
+        elif isinstance(msg, StartDecode):
+            self.first_tokens[msg.request_id] = msg.first_token_id
+            self._admit_ready()
+        elif isinstance(msg, CancelReceive):
+            for request_id in msg.request_ids:
+                self._cancel_receive(request_id)
+        elif isinstance(msg, AbortRequests):
+            self._abort(msg)
+        elif isinstance(msg, Drain):
+            self.draining = True
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _new_request(self, request_id, prompt_token_ids, params, priority) -> Request:
+        return Request(request_id, prompt_token_ids, params, self.core.info.eos_token_ids, priority)
+
+    def _add(self, msg: AddRequest) -> None:
+        req = self._new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
+        req.remote_decode = msg.remote_decode
+        try:
+            self.core.add_request(req)
+        except (InvalidRequestError, ValueError) as exc:
+            self._send(RequestFailed(self.name, msg.request_id, str(exc)))
+
+    def _prepare(self, msg: PrepareReceive) -> None:
+        if self.receiver is None:
+            self._send(ReceiveRefused(self.name, msg.request_id, f"{self.name} is not a decode worker"))
+            return
+        req = self._new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
+        try:
+            self.core.validate(req)
+            reserved = self.core.scheduler.reserve_for_transfer(req)
+        except (InvalidRequestError, ValueError) as exc:
+            self._send(RequestFailed(self.name, msg.request_id, str(exc)))
+            return
+        if reserved is None:
+            self._send(ReceiveRefused(self.name, msg.request_id, "no free KV blocks"))
+            return
+        num_cached, dst_block_ids = reserved
+        self.receiver.expect(msg.request_id, dst_block_ids, msg.deadline_s)
+        self._send(ReceiveReady(self.name, msg.request_id, num_cached, dst_block_ids))
+
+    def _cancel_receive(self, request_id: str) -> None:
+        if self.receiver is not None:
+            self.receiver.cancel(request_id)
+        self.core.scheduler.cancel_receive(request_id)
+        self.first_tokens.pop(request_id, None)
+        self.kv_arrived.discard(request_id)
+
+    def _abort(self, msg: AbortRequests) -> None:
+        status = RequestStatus.FINISHED_STOPPED if msg.reason == "stop" else RequestStatus.FINISHED_ABORTED
+        for request_id in msg.request_ids:
+            self._cancel_receive(request_id)
+            if self.sender is not None and request_id in self.core.scheduler.held:
+                self.sender.abort(request_id)
+                self.core.scheduler.release_held(request_id)
+        self.core.abort_requests(msg.request_ids, status)
+        self._send(WorkerOutputs(self.name, [], self._load()))  # let the router see the freed KV
+
+    # ---- transfers ---------------------------------------------------------------------------
+
+    def _move_transfers(self) -> None:
+        scheduler = self.core.scheduler
+        if self.sender is not None:
+            result = self.sender.poll()
+            for request_id in result.completed:
+                scheduler.release_held(request_id)
+            for request_id, reason in result.failed:
+                scheduler.release_held(request_id)
+                self._send(TransferFailed(self.name, request_id, reason))
+        if self.receiver is not None:
+            result = self.receiver.poll()
+            self.kv_arrived.update(r for r in result.completed if r in scheduler.receiving)
+            for request_id, reason in result.failed:
+                self._cancel_receive(request_id)
+                self._send(TransferFailed(self.name, request_id, reason))
+            self._admit_ready()
+
+    def _admit_ready(self) -> None:
+        for request_id in [r for r in self.kv_arrived if r in self.first_tokens]:
+            self.kv_arrived.discard(request_id)
+            self.core.scheduler.admit_transferred(request_id, self.first_tokens.pop(request_id))
+
+    def _report_transfer_refusals(self) -> None:
+        failed, self.core.runner.failed_transfers = self.core.runner.failed_transfers, []
+        for request_id, reason in failed:
+            self.core.scheduler.release_held(request_id)
+            self._send(TransferFailed(self.name, request_id, reason))
+
+    def _transfers_in_flight(self) -> bool:
+        scheduler = self.core.scheduler
+        return bool(scheduler.held or scheduler.receiving)
+
+    # ---- state out ---------------------------------------------------------------------------
+
+    def _idle(self) -> bool:
+        return not (self.core.has_unfinished_requests() or self._transfers_in_flight())
+
+    def _load(self) -> WorkerLoad:
+        scheduler = self.core.scheduler
+        return WorkerLoad(self.core.stats(), len(scheduler.receiving), len(scheduler.held))
+
+    def _maybe_heartbeat(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._send(Heartbeat(self.name, self._load()))
+            self._next_heartbeat = now + self.spec.heartbeat_s
+
+    def _send(self, msg) -> None:
+        self.events.send(self.codec_out.encode(msg), copy=False)
+
+    def close(self) -> None:
+        for conn in (self.sender, self.receiver):
+            if conn is not None:
+                conn.close()
+        self.commands.close(linger=0)
+        self.events.close()
+
+
+def build_core(spec: WorkerSpec) -> EngineCore:
+    model_dir = resolve_model(spec.engine.model)
+    eos = eos_token_ids(ModelConfig.from_dir(model_dir), Tokenizer(model_dir))
+    return EngineCore(spec.engine, model_dir, eos)
+
+
+def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) -> None:
+    """Run a worker until the router tells it to shut down (blocking)."""
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(spec.name)
+    except ImportError:
+        pass
+    core = build_core(spec)
+    ctx = zmq.Context()
+    worker = Worker(spec, secret, core, ctx, exit_with_parent)
+    try:
+        worker.run()
+    finally:
+        worker.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="kvbaton worker (prefill / decode / both)")
+    parser.add_argument("--spec-json", required=True)
+    parser.add_argument("--exit-with-parent", action="store_true")
+    args = parser.parse_args(argv)
+    spec = msgspec.json.decode(args.spec_json.encode(), type=WorkerSpec)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
+    secret = os.environ.get(SECRET_ENV, "").encode()
+    if not secret:
+        parser.exit(2, f"kvbaton worker: {SECRET_ENV} is not set (the launcher passes the cluster secret)\n")
+    run_worker(spec, secret, args.exit_with_parent)
+
+
+if __name__ == "__main__":
+    main()
