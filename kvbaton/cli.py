@@ -65,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVBATON_API_KEY)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="admission control: refuse with 503 beyond this many waiting requests")
+    pd = serve.add_argument_group("disaggregation (prefill/decode worker pools behind a router)")
+    pd.add_argument("--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill themselves)")
+    pd.add_argument("--decode", type=int, default=0,
+                    help="decode workers (with --prefill 0: colocated replicas; 0 and 0: one in-process-style engine)")
+    pd.add_argument("--kv-transport", default="shm", choices=["shm", "tcp", "redis", "mooncake"])
+    pd.add_argument("--redis-url", default=None, help="for --kv-transport redis (default: start a local redis-server)")
+    pd.add_argument("--routing", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_aware"])
+    pd.add_argument("--local-prefill-threshold", type=int, default=64,
+                    help="prompts with fewer uncached tokens are prefilled on the decode worker")
+    pd.add_argument("--transfer-timeout", type=float, default=30.0,
+                    help="seconds before a KV transfer counts as failed")
+    pd.add_argument("--backend", default="local", choices=["local", "ray"],
+                    help="run workers as local processes or as Ray actors")
+    pd.add_argument("--address", default=None, help="--backend ray: join this Ray cluster (default: start one)")
     from kvbaton.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -103,7 +117,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvbaton.server.launch import ServeOptions, serve
 
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                           api_key=args.api_key, max_waiting_requests=args.max_waiting_requests)
+                           api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                           prefill=args.prefill, decode=args.decode, kv_transport=args.kv_transport,
+                           redis_url=args.redis_url, routing=args.routing,
+                           local_prefill_threshold=args.local_prefill_threshold,
+                           transfer_timeout_s=args.transfer_timeout, backend=args.backend, ray_address=args.address)
     return serve(engine_config_from_args(args), options)
 
 

@@ -73,7 +73,7 @@ class Worker:
         conn = ConnectorConfig(spec.connector.transport, secret, spec.connector.host, spec.connector.redis_url,
                                spec.connector.redis_ttl_s, spec.name)
         self.sender = make_sender(conn, self.layout, core.runner.kv_caches) if spec.role == "prefill" else None
-        self.receiver = make_receiver(conn, self.layout, core.runner.kv_caches) if spec.role != "prefill" else None
+        self.receiver = make_receiver(conn, self.layout, core.runner.kv_caches) if spec.role == "decode" else None
         core.runner.kv_sender = self.sender
         self.first_tokens: dict[str, int] = {}  # decode side: StartDecode seen, KV maybe not yet
         self.kv_arrived: set[str] = set()  # decode side: KV in, StartDecode maybe not yet

@@ -169,7 +169,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.middleware("http")
     async def require_api_key(request: Request, call_next):
         key = settings.api_key
-        if key and request.url.path.startswith("/v1"):
+        if key and request.url.path.startswith(("/v1", "/admin")):
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return _error(401, "invalid or missing API key", "AuthenticationError")
@@ -223,4 +223,49 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
                 "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending}
 
+    add_worker_routes(app, client)
     return app
+
+
+def add_worker_routes(app: FastAPI, client) -> None:
+    """`GET /workers` (topology and load) and the elastic-pool admin endpoints of a router."""
+
+    @app.get("/workers")
+    async def workers():
+        view = getattr(client, "workers_view", None)
+        if view is not None:
+            return {"workers": view()}
+        proc = getattr(client, "proc", None)
+        s = client.stats
+        return {"workers": [{"name": client.name, "role": "both", "pid": proc.pid if proc else None,
+                             "healthy": client.is_alive, "num_running": s.num_running, "num_waiting": s.num_waiting,
+                             "kv_cache_usage": s.kv_cache_usage}]}
+
+    @app.post("/admin/workers")
+    async def add_worker(body: dict):
+        role = body.get("role")
+        if not hasattr(client, "add_worker"):
+            raise ApiError(400, "this server runs one engine; start it with --prefill/--decode for worker pools",
+                           "BadRequestError")
+        if role not in ("prefill", "decode"):
+            raise ApiError(400, "role must be 'prefill' or 'decode'", "BadRequestError", "role")
+        if role == "decode" and not any(w["role"] == "prefill" for w in client.workers_view()):
+            role = "both"  # colocated replicas prefill themselves
+        name = client.add_worker(role)
+        try:
+            await client.wait_for_workers([name], body.get("timeout_s", 600))
+        except Exception as exc:
+            raise ApiError(500, f"{name} did not start: {exc}", "InternalServerError") from exc
+        return {"added": name}
+
+    @app.post("/admin/workers/{name}/drain")
+    async def drain_worker(name: str):
+        if not hasattr(client, "drain_worker"):
+            raise ApiError(400, "this server runs one engine; nothing to drain", "BadRequestError")
+        try:
+            await client.drain_worker(name)
+        except KeyError:
+            raise ApiError(404, f"no live worker named {name!r}", "NotFoundError", "name") from None
+        except ValueError as exc:
+            raise ApiError(409, str(exc), "ConflictError") from exc
+        return {"draining": name}

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from kvbaton.config import EngineConfig
 from kvbaton.engine.core import EngineInfo, EngineStats, validate_request
+from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -39,10 +40,6 @@ from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine-core process exited; requests in flight cannot complete."""
 
 
 class AsyncEngineClient:

@@ -25,6 +25,19 @@ class ServeOptions:
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting_requests: int = 256
+    prefill: int = 0  # with decode: worker pools behind a router
+    decode: int = 0
+    kv_transport: str = "shm"
+    redis_url: str | None = None
+    routing: str = "least_loaded"
+    local_prefill_threshold: int = 64
+    transfer_timeout_s: float = 30.0
+    backend: str = "local"  # "local" | "ray"
+    ray_address: str | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill or self.decode)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -37,8 +50,13 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 
 
 async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions) -> int:
-    client = AsyncEngineClient(config, tokenizer)
-    await client.start()
+    if options.disaggregated:
+        from kvbaton.disagg.launch import start_router
+
+        client, cleanup = await start_router(config, tokenizer, options)
+    else:
+        client, cleanup = AsyncEngineClient(config, tokenizer), None
+        await client.start()
     try:
         app = build_app(client, settings)
         server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
@@ -47,6 +65,8 @@ async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSet
         await server.serve()
     finally:
         await client.shutdown()
+        if cleanup is not None:
+            cleanup()
     return 0
 
 

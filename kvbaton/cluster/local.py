@@ -1,0 +1,67 @@
+"""Workers as local processes (the embedded default): start by spec, watch, stop by PID."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import msgspec
+
+from kvbaton.disagg.channel import SECRET_ENV
+from kvbaton.disagg.spec import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalWorker:
+    spec: WorkerSpec
+    proc: subprocess.Popen
+
+
+class LocalLauncher:
+    """One `python -m kvbaton.disagg.worker` process per worker, titled `kvbaton-<role>-<index>`.
+
+    The cluster secret goes through the environment, never the command line (`ps` shows argv)."""
+
+    backend = "local"
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        self.workers: dict[str, LocalWorker] = {}
+
+    def launch(self, spec: WorkerSpec) -> None:
+        cmd = [sys.executable, "-m", "kvbaton.disagg.worker", "--spec-json", msgspec.json.encode(spec).decode(),
+               "--exit-with-parent"]
+        env = {**os.environ, SECRET_ENV: self._secret.decode(), "TOKENIZERS_PARALLELISM": "false"}
+        threads = spec.engine.num_threads
+        if threads:
+            env["OMP_NUM_THREADS"] = str(threads)
+        self.workers[spec.name] = LocalWorker(spec, subprocess.Popen(cmd, env=env))
+        logger.info("started %s (pid %d)", spec.name, self.workers[spec.name].proc.pid)
+
+    def is_alive(self, name: str) -> bool:
+        worker = self.workers.get(name)
+        return worker is not None and worker.proc.poll() is None
+
+    def pid(self, name: str) -> int | None:
+        worker = self.workers.get(name)
+        return worker.proc.pid if worker else None
+
+    def stop(self, name: str, timeout_s: float = 10.0) -> None:
+        """Wait for a worker told to shut down; kill it (by PID) if it does not exit in time."""
+        worker = self.workers.pop(name, None)
+        if worker is None:
+            return
+        try:
+            worker.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            worker.proc.kill()
+            worker.proc.wait()
+
+    def stop_all(self, timeout_s: float = 10.0) -> None:
+        for name in list(self.workers):
+            self.stop(name, timeout_s)

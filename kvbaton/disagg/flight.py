@@ -1,0 +1,56 @@
+"""The router's record of one client request, from arrival to last byte, across attempts.
+
+The router owns the request: it knows every token the client has been sent, so when a worker
+dies it can start a new *attempt* elsewhere from prompt + those tokens and the stream goes on
+with nothing duplicated and nothing missing. Messages name attempts (`<request id>#<n>`), so
+late output of an abandoned attempt is recognised and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+from kvbaton.engine.sampling_params import SamplingParams
+
+
+class Phase(enum.Enum):
+    PREPARING = "preparing"  # asked the decode worker to reserve blocks
+    PREFILLING = "prefilling"  # the prefill worker computes the prompt and sends the KV
+    DECODING = "decoding"  # on the decode worker (after a transfer, or prefilled locally)
+
+
+@dataclass
+class Flight:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    queue: asyncio.Queue
+    tokens: list[int] = field(default_factory=list)  # every token already given to the client
+    attempt: int = 0
+    phase: Phase = Phase.DECODING
+    prefill: str | None = None  # worker names of the current attempt
+    decode: str | None = None
+    num_cached_tokens: int | None = None  # from the first attempt; what `usage` reports
+
+    @property
+    def attempt_id(self) -> str:
+        return f"{self.request_id}#{self.attempt}"
+
+    def next_attempt(self) -> None:
+        self.attempt += 1
+        self.prefill = self.decode = None
+
+    def continuation(self) -> tuple[list[int], SamplingParams]:
+        """Prompt and params that produce the rest of the output: the tokens the client already
+        has become part of the prompt, and the limits shrink by as many."""
+        done = len(self.tokens)
+        if not done:
+            return self.prompt_token_ids, self.params
+        params = self.params
+        max_tokens = None if params.max_tokens is None else params.max_tokens - done
+        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done))
+        return self.prompt_token_ids + self.tokens, params
