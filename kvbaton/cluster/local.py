@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
@@ -29,8 +30,9 @@ class LocalLauncher:
 
     backend = "local"
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, log_dir: Path | None = None) -> None:
         self._secret = secret
+        self.log_dir = log_dir  # None: workers log to this process's stderr
         self.workers: dict[str, LocalWorker] = {}
 
     def launch(self, spec: WorkerSpec) -> None:
@@ -40,7 +42,13 @@ class LocalLauncher:
         threads = spec.engine.num_threads
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
-        self.workers[spec.name] = LocalWorker(spec, subprocess.Popen(cmd, env=env))
+        log = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 - the child keeps it open
+        self.workers[spec.name] = LocalWorker(spec, subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+        if log is not None:
+            log.close()
         logger.info("started %s (pid %d)", spec.name, self.workers[spec.name].proc.pid)
 
     def is_alive(self, name: str) -> bool:

@@ -23,13 +23,13 @@ def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @contextlib.asynccontextmanager
 async def router_over(model_dir, prefill: int, decode: int, transport: str = "shm", block_size: int = 4,
-                      redis_url: str | None = None, **router_kwargs):
+                      redis_url: str | None = None, log_dir=None, **router_kwargs):
     """A real router over real worker processes (tiny fp32 model); everything stopped after."""
     engine = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1,
                           cache=CacheConfig(block_size=block_size, num_blocks=256))
     config = RouterConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **router_kwargs})
     secret = cluster_secret()
-    router = Router(engine, Tokenizer(model_dir), LocalLauncher(secret), secret, config,
+    router = Router(engine, Tokenizer(model_dir), LocalLauncher(secret, log_dir), secret, config,
                     ConnectorSpec(transport, redis_url=redis_url))
     try:
         await router.start(prefill, decode)
