@@ -59,6 +59,13 @@ class LocalLauncher:
         worker = self.workers.get(name)
         return worker.proc.pid if worker else None
 
+    def kill(self, name: str) -> None:
+        """SIGKILL (by PID) a worker declared dead, so a stalled one cannot come back."""
+        worker = self.workers.pop(name, None)
+        if worker is not None and worker.proc.poll() is None:
+            worker.proc.kill()
+            worker.proc.wait()
+
     def stop(self, name: str, timeout_s: float = 10.0) -> None:
         """Wait for a worker told to shut down; kill it (by PID) if it does not exit in time."""
         worker = self.workers.pop(name, None)

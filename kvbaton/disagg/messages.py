@@ -1,8 +1,9 @@
 """Typed messages between the router (in the frontend) and its workers; signed by `channel.py`.
 
-    router -> worker:  AddRequest, PrepareReceive, StartDecode, CancelReceive, AbortRequests, Drain, Shutdown
+    router -> worker:  AddRequest, PrepareReceive, StartDecode, CancelReceive, AbortRequests, Drain, Shutdown,
+                       CheckIntegrity
     worker -> router:  WorkerHello, Heartbeat, WorkerOutputs, RequestFailed, ReceiveReady, ReceiveRefused,
-                       TransferFailed, Drained
+                       TransferFailed, Drained, IntegrityReport
 
 Request ids on this channel are the router's *attempt* ids (`<client id>.<attempt>`), so when
 a request is re-dispatched after a failure, late messages about an earlier attempt are told
@@ -65,7 +66,11 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-ToWorker = AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortRequests | Drain | Shutdown
+class CheckIntegrity(msgspec.Struct, tag="check"):
+    """Run the KV pool's integrity check now; answer IntegrityReport."""
+
+
+ToWorker = AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortRequests | Drain | Shutdown | CheckIntegrity
 
 # ---- worker -> router ----------------------------------------------------------------------
 
@@ -132,5 +137,12 @@ class Drained(msgspec.Struct, tag="drained"):
     name: str
 
 
+class IntegrityReport(msgspec.Struct, tag="integrity"):
+    name: str
+    error: str | None  # None: the check passed
+    kv_cache_usage: float  # fraction of blocks referenced (0 when nothing is in flight)
+    num_requests: int  # requests holding blocks: running, waiting, held for sending, receiving
+
+
 FromWorker = (WorkerHello | Heartbeat | WorkerOutputs | RequestFailed | ReceiveReady | ReceiveRefused
-              | TransferFailed | Drained)
+              | TransferFailed | Drained | IntegrityReport)

@@ -33,10 +33,12 @@ from kvbaton.disagg.messages import (
     AbortRequests,
     AddRequest,
     CancelReceive,
+    CheckIntegrity,
     Drain,
     Drained,
     FromWorker,
     Heartbeat,
+    IntegrityReport,
     PrepareReceive,
     ReceiveReady,
     ReceiveRefused,
@@ -131,6 +133,10 @@ class Router:
         self._stats_listeners: list = []
         self._tasks: list[asyncio.Task] = []
         self._hello: asyncio.Event = asyncio.Event()
+        self._integrity: dict[str, asyncio.Future] = {}
+        # How requests went: through a prefill worker, prefilled on the decode worker, or
+        # re-dispatched after a failure (a transfer, or a worker, that did not make it).
+        self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0}
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -196,6 +202,20 @@ class Router:
 
     def workers_view(self) -> list[dict]:
         return [w.view() for w in self.workers.values()]
+
+    async def check_workers(self, timeout_s: float = 10.0) -> dict[str, IntegrityReport]:
+        """Every live worker's KV integrity report (for tests and operators)."""
+        loop = asyncio.get_running_loop()
+        live = [w for w in self.workers.values() if w.alive]
+        futures = {w.name: self._integrity.setdefault(w.name, loop.create_future()) for w in live}
+        for worker in live:
+            await self._send(worker, CheckIntegrity())
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*futures.values()), timeout_s)
+        finally:
+            for name in futures:
+                self._integrity.pop(name, None)
+        return dict(zip(futures, done))
 
     # ---- the engine-client interface -------------------------------------------------------
 
@@ -263,6 +283,7 @@ class Router:
             await self._run_locally(flight, decode)
 
     async def _run_locally(self, flight: Flight, decode: WorkerHandle) -> None:
+        self.counters["local"] += 1
         prompt, params = flight.continuation()
         flight.phase = Phase.DECODING
         await self._send(decode, AddRequest(flight.attempt_id, prompt, params, flight.priority))
@@ -276,6 +297,7 @@ class Router:
             await self._send(decode, CancelReceive([flight.attempt_id]))
             await self._run_locally(flight, decode)
             return
+        self.counters["disaggregated"] += 1
         prefill = self._prefill_policy.pick(prefillers, flight.prompt_token_ids)
         self._prefill_policy.note_routed(prefill.name, flight.prompt_token_ids)
         flight.prefill, flight.phase = prefill.name, Phase.PREFILLING
@@ -288,6 +310,7 @@ class Router:
     async def _fall_back(self, flight: Flight, reason: str) -> None:
         """The transfer path failed: the decode worker prefills this attempt itself."""
         logger.warning("request %s: %s; prefilling on the decode worker instead", flight.request_id, reason)
+        self.counters["fallbacks"] += 1
         decode = self.workers.get(flight.decode)
         if flight.prefill in self.workers:
             prefill = self.workers[flight.prefill]
@@ -340,6 +363,11 @@ class Router:
             worker.load = msg.load
             self._publish_stats()
         if isinstance(msg, Heartbeat):
+            return
+        if isinstance(msg, IntegrityReport):
+            future = self._integrity.get(msg.name)
+            if future is not None and not future.done():
+                future.set_result(msg)
             return
         if isinstance(msg, WorkerOutputs):
             for output in msg.outputs:
@@ -441,6 +469,9 @@ class Router:
     async def _on_worker_dead(self, worker: WorkerHandle, reason: str) -> None:
         logger.error("%s is gone (%s); re-dispatching its %d request(s)", worker.name, reason, len(worker.attempts))
         worker.alive = False
+        self.counters["workers_lost"] += 1
+        # NOTE: fence it: a worker that was only stalled must not come back and act on old requests.
+        await asyncio.to_thread(self.launcher.kill, worker.name)
         affected = [f for f in self.flights.values() if f.attempt_id in worker.attempts]
         self._forget(worker)
         for flight in affected:

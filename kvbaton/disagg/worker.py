@@ -27,10 +27,12 @@ from kvbaton.disagg.messages import (
     AbortRequests,
     AddRequest,
     CancelReceive,
+    CheckIntegrity,
     Drain,
     Drained,
     FromWorker,
     Heartbeat,
+    IntegrityReport,
     PrepareReceive,
     ReceiveReady,
     ReceiveRefused,
@@ -136,6 +138,18 @@ class Worker:
             self.draining = True
         elif isinstance(msg, Shutdown):
             self.running = False
+        elif isinstance(msg, CheckIntegrity):
+            self._send(self._integrity())
+
+    def _integrity(self) -> IntegrityReport:
+        scheduler = self.core.scheduler
+        try:
+            self.core.check_integrity()
+            error = None
+        except AssertionError as exc:
+            error = str(exc) or "integrity check failed"
+        num = len(scheduler.running) + len(scheduler.waiting) + len(scheduler.held) + len(scheduler.receiving)
+        return IntegrityReport(self.name, error, self.core.kv_cache.usage(), num)
 
     def _new_request(self, request_id, prompt_token_ids, params, priority) -> Request:
         return Request(request_id, prompt_token_ids, params, self.core.info.eos_token_ids, priority)

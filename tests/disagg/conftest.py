@@ -34,8 +34,23 @@ async def router_over(model_dir, prefill: int, decode: int, transport: str = "sh
     try:
         await router.start(prefill, decode)
         yield router
+        await assert_pools_clean(router)
     finally:
         await router.shutdown()
+
+
+async def assert_pools_clean(router: Router, wait_s: float = 5.0) -> None:
+    """Every surviving worker's KV pool passes its integrity check and holds nothing (bounded wait:
+    a worker may still be releasing an aborted transfer)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        reports = await router.check_workers()
+        dirty = {name: r for name, r in reports.items() if r.error or r.num_requests or r.kv_cache_usage}
+        if not dirty or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert not dirty, f"workers not clean after the scenario: {dirty}"
 
 
 async def collect(router: Router, request_id: str, prompt: list[int], max_tokens: int, on_token=None) -> list[int]:
