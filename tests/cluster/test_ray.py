@@ -1,0 +1,352 @@
+"""`--backend ray`: a private Ray head on 127.0.0.1, gang-scheduled placement groups, fast and
+clean failure of impossible placements, and real workers started as Ray actors.
+
+Everything that starts Ray is marked slow (a head costs ~10 s here); one head serves the module
+and is stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from helpers import TINY_VOCAB
+
+from kvbaton.cluster.ray import (
+    PlacementError,
+    RayLauncher,
+    _Secret,
+    bind_to_node,
+    check_feasible,
+    plan_groups,
+    spread_selector,
+)
+from kvbaton.config import CacheConfig, EngineConfig
+from kvbaton.disagg.channel import SignedCodec, cluster_secret
+from kvbaton.disagg.messages import FromWorker, Shutdown, ToWorker, WorkerHello
+from kvbaton.disagg.spec import ConnectorSpec, WorkerSpec
+
+NUM_CPUS = 2
+
+
+def spec(role: str, index: int = 0, model: str = "unused", router: str = "tcp://127.0.0.1:1") -> WorkerSpec:
+    engine = EngineConfig(model=model, dtype="float32", num_threads=1, kernels=False,
+                          cache=CacheConfig(block_size=4, num_blocks=64))
+    return WorkerSpec(role, index, engine, router, heartbeat_s=0.2)
+
+
+# ---- without a cluster -------------------------------------------------------------------------
+
+
+def test_plan_one_bundle_per_rank():
+    groups = plan_groups([spec("prefill"), spec("decode")], 0.5, ranks=4)
+    assert [g.pool for g in groups] == ["prefill", "decode"]
+    assert groups[0].bundles == ({"CPU": 0.5},) * 4 and groups[0].cpus == 2.0
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="cpus_per_worker"):
+            plan_groups([spec("decode")], bad)
+
+
+def test_infeasible_plans_are_refused_before_anything_is_reserved():
+    nodes = {"n1": 2.0, "n2": 2.0}
+    check_feasible(plan_groups([spec("prefill"), spec("decode")], 2), nodes)
+    with pytest.raises(PlacementError, match="prefill pool: kvbaton-prefill-0 needs 3 CPU per rank but the largest "
+                                             "node has 2"):
+        check_feasible(plan_groups([spec("prefill")], 3), nodes)
+    with pytest.raises(PlacementError, match=r"the decode pool \(3 worker\(s\) x 2 rank\(s\) x 1 CPU\): 6 CPU"):
+        check_feasible(plan_groups([spec("decode", i) for i in range(3)], 1, ranks=2), nodes)
+
+
+def test_pools_avoid_each_others_nodes_only_when_the_rest_has_room():
+    free = {"a": 4.0, "b": 4.0, "c": 1.0}
+    assert spread_selector(set(), 2, 1, free) is None  # nothing to avoid yet
+    assert spread_selector({"a"}, 5, 1, free) == {"ray.io/node-id": "!in(a)"}
+    assert spread_selector({"b", "a"}, 1, 1, free) == {"ray.io/node-id": "!in(a,b)"}
+    assert spread_selector({"a"}, 6, 1, free) is None  # b + c hold 5 CPU: share nodes instead
+    assert spread_selector({"a", "b"}, 1, 2, free) is None  # c cannot hold a 2-CPU rank
+    assert spread_selector({"a", "b", "c"}, 1, 1, free) is None  # one pool per node is impossible
+
+
+def test_loopback_hosts_become_the_node_address_off_loopback():
+    s = WorkerSpec("decode", 0, spec("decode").engine, "tcp://10.0.0.1:5000", connector=ConnectorSpec("tcp"))
+    assert bind_to_node(s, "127.0.0.1") == s
+    moved = bind_to_node(s, "10.0.0.7")
+    assert (moved.host, moved.connector.host, moved.router) == ("10.0.0.7", "10.0.0.7", s.router)
+    pinned = WorkerSpec("decode", 0, s.engine, s.router, host="10.0.0.9")
+    assert bind_to_node(pinned, "10.0.0.7").host == "10.0.0.9"
+
+
+def test_the_secret_never_shows_in_a_repr():
+    sealed = _Secret(b"s3cr3t-s3cr3t-s3cr3t")
+    assert "s3cr3t" not in repr(sealed) and "s3cr3t" not in str([sealed])
+    assert sealed.reveal() == b"s3cr3t-s3cr3t-s3cr3t"
+
+
+# ---- a private local cluster -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def launcher():
+    launcher = RayLauncher(cluster_secret(), num_cpus=NUM_CPUS, placement_timeout_s=10.0)
+    t0 = time.monotonic()
+    launcher.start()
+    print(f"ray head up in {time.monotonic() - t0:.1f} s")
+    head = launcher.head
+    try:
+        yield launcher
+    finally:
+        launcher.close()
+        assert head.proc.poll() is not None
+        assert not head.temp_dir.exists()
+        with pytest.raises(ProcessLookupError):
+            os.killpg(head.proc.pid, 0)  # nothing of its session is left
+
+
+def live_groups() -> dict[str, dict]:
+    import ray
+
+    return {pg_id: t for pg_id, t in ray.util.placement_group_table().items() if t["state"] != "REMOVED"}
+
+
+def listening_addresses(pids: set[int]) -> list[str]:
+    """The local addresses of the TCP sockets these processes listen on (from /proc)."""
+    inodes: dict[str, int] = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes[target[8:-1]] = pid
+        except (FileNotFoundError, PermissionError):
+            continue
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                found.append(_decode_ip(fields[1].split(":")[0]))
+    return found
+
+
+def _decode_ip(hex_ip: str) -> str:
+    raw = bytes.fromhex(hex_ip)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # per-word byte order
+    addr = ipaddress.ip_address(raw)
+    return str(getattr(addr, "ipv4_mapped", None) or addr)
+
+
+def session_pids(pgid: int) -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.add(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+@pytest.mark.slow
+def test_private_head_is_on_loopback_only(launcher):
+    import ray
+
+    assert launcher.gcs_address.startswith("127.0.0.1:")
+    assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
+    assert launcher.node_ip == "127.0.0.1"
+    assert ray.cluster_resources()["CPU"] == NUM_CPUS
+    pids = session_pids(launcher.head.proc.pid)
+    addresses = listening_addresses(pids)
+    assert len(pids) >= 3 and addresses  # gcs_server, raylet, ... and their ports
+    assert set(addresses) == {"127.0.0.1"}, addresses
+    assert ray.nodes()[0]["RayletSocketName"].startswith(f"{launcher.head.temp_dir}/")  # a private temp dir
+
+
+@pytest.mark.slow
+def test_each_worker_gets_a_packed_group_with_a_bundle_per_rank(launcher):
+    from ray.util.placement_group import remove_placement_group
+
+    pgs = launcher.reserve([spec("prefill"), spec("decode")], 0.25, ranks=2)
+    try:
+        table = live_groups()
+        for pg, name in zip(pgs, ["kvbaton-prefill-0", "kvbaton-decode-0"]):
+            entry = table[pg.id.hex()]
+            assert (entry["name"], entry["strategy"], entry["state"]) == (name, "PACK", "CREATED")
+            assert entry["bundles"] == {0: {"CPU": 0.25}, 1: {"CPU": 0.25}}
+    finally:
+        for pg in pgs:
+            remove_placement_group(pg)
+    assert live_groups() == {}
+
+
+@pytest.mark.slow
+def test_impossible_placement_fails_fast_and_keeps_nothing(launcher):
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"prefill pool .* \+ the decode pool \(2 worker\(s\) x 1 rank\(s\) x 1 "
+                                             r"CPU\): 3 CPU in all, but the cluster has 2 CPU on 1 node\(s\) "
+                                             r"\(127.0.0.1: 2 CPU, [\d.]+ free\)"):
+        launcher.launch([spec("prefill"), spec("decode", 0), spec("decode", 1)], cpus_per_worker=1)
+    with pytest.raises(PlacementError, match="needs 8 CPU per rank but the largest node has 2"):
+        launcher.launch([spec("decode")], cpus_per_worker=8)
+    assert time.monotonic() - t0 < 15
+    assert live_groups() == {} and launcher.list_workers() == []
+
+
+@pytest.mark.slow
+def test_placement_not_granted_in_time_gives_back_what_it_got(launcher, monkeypatch):
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    other = placement_group([{"CPU": 1.25}])  # someone else's: leaves 0.75 CPU
+    ray.get(other.ready(), timeout=10)
+    monkeypatch.setattr(launcher, "placement_timeout_s", 2.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PlacementError, match=r"kvbaton-decode-0 not granted within 2 s; the cluster has 2 CPU .*"
+                                                 r"[\d.]+ free\)\. Nothing was kept"):
+            launcher.launch([spec("prefill"), spec("decode")], cpus_per_worker=0.5)  # prefill fits, decode not
+        assert time.monotonic() - t0 < 15
+        assert set(live_groups()) == {other.id.hex()}  # the granted prefill group went back too
+        assert launcher.list_workers() == []
+    finally:
+        remove_placement_group(other)
+
+
+JOIN_SCRIPT = """
+import json, sys
+import ray
+from kvbaton.cluster.ray import RayLauncher
+from kvbaton.config import EngineConfig
+from kvbaton.disagg.spec import WorkerSpec
+launcher = RayLauncher(b"0123456789abcdef0123", address=sys.argv[1])
+address = launcher.start()
+pg = launcher.reserve([WorkerSpec("decode", 7, EngineConfig(model="unused"), "tcp://127.0.0.1:1")], 0.25)[0]
+state = ray.util.placement_group_table(pg)["state"]
+nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+launcher.close()
+print("RESULT", json.dumps({"address": address, "node_ip": nodes, "state": state, "head": launcher.head is None}))
+"""
+
+
+@pytest.mark.slow
+def test_another_process_joins_with_address_and_leaves_the_head_running(launcher):
+    out = subprocess.run([sys.executable, "-c", JOIN_SCRIPT, launcher.gcs_address], capture_output=True, text=True,
+                         timeout=120)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and lines, out.stderr[-3000:]
+    result = json.loads(lines[0][7:])
+    assert result == {"address": launcher.gcs_address, "node_ip": ["127.0.0.1"], "state": "CREATED", "head": True}
+    assert launcher.head.proc.poll() is None  # joining never stops a head it did not start
+    assert live_groups() == {}  # the joined driver's group went with it
+
+
+# ---- real workers ------------------------------------------------------------------------------
+
+
+def await_hellos(socket: zmq.Socket, codec: SignedCodec, names: set[str], timeout_s: float) -> dict[str, WorkerHello]:
+    hellos: dict[str, WorkerHello] = {}
+    deadline = time.monotonic() + timeout_s
+    while set(hellos) != names and time.monotonic() < deadline:
+        if socket.poll(500):
+            msg = codec.decode(socket.recv())
+            if isinstance(msg, WorkerHello):
+                hellos[msg.name] = msg
+    return hellos
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+@pytest.mark.slow
+def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_models):
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.PULL)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    model = str(tiny_models["llama"])
+    specs = [spec("prefill", 0, model, f"tcp://127.0.0.1:{port}"), spec("decode", 0, model, f"tcp://127.0.0.1:{port}")]
+    names = {s.name for s in specs}
+    try:
+        t0 = time.monotonic()
+        placed = launcher.launch(specs, cpus_per_worker=0.5)
+        assert {(w.name, w.rank, w.node_ip) for w in placed} == {(n, 0, "127.0.0.1") for n in names}
+        assert len({w.placement_group_id for w in placed}) == 2
+        hellos = await_hellos(router, SignedCodec(launcher.secret, FromWorker), names, 180)
+        assert set(hellos) == names, f"only {sorted(hellos)} said hello"
+        print(f"workers announced in {time.monotonic() - t0:.1f} s")
+        workers = {w.name: w for w in launcher.list_workers()}
+        for name, hello in hellos.items():
+            assert launcher.is_alive(name) and launcher.pid(name) == hello.pid == workers[name].pid
+            assert workers[name].actor_id and hello.address.startswith("tcp://127.0.0.1:")
+            assert cmdline(hello.pid).split(b"\0")[0].startswith(name.encode())  # `ps` shows kvbaton-<role>-<i>
+        for pid in session_pids(launcher.head.proc.pid):  # workers, actors, raylet, ...
+            assert launcher.secret not in cmdline(pid)
+        push = ctx.socket(zmq.PUSH)
+        push.connect(hellos["kvbaton-decode-0"].address)
+        push.send(SignedCodec(launcher.secret, ToWorker).encode(Shutdown()))
+        assert launcher.stop("kvbaton-decode-0", timeout_s=20) == 0  # exits on its own: no signal needed
+        assert not launcher.is_alive("kvbaton-decode-0") and launcher.is_alive("kvbaton-prefill-0")
+        push.close(linger=0)
+        t0 = time.monotonic()
+        codes = launcher.stop_all(timeout_s=0)  # not told to shut down: interrupted (SIGKILL after 5 s)
+        assert codes == {"kvbaton-prefill-0": -signal.SIGINT} and time.monotonic() - t0 < 5
+    finally:
+        launcher.stop_all(timeout_s=0)
+        router.close(linger=0)
+        ctx.term()
+    assert live_groups() == {} and launcher.list_workers() == []
+    for hello in hellos.values():
+        assert not Path(f"/proc/{hello.pid}").exists()
+
+
+@pytest.mark.slow
+def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
+    import asyncio
+
+    from helpers import hf_greedy
+
+    from kvbaton.disagg.router import Router, RouterConfig
+    from kvbaton.engine.sampling_params import SamplingParams
+    from kvbaton.engine.tokenizer import Tokenizer
+
+    model = tiny_models["llama"]
+    prompts = [[(7 * i + 3 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([3, 11, 26])]
+    launcher.cpus_per_worker = 0.5
+
+    async def generate(router: Router, request_id: str, prompt: list[int]) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        tokens: list[int] = []
+        async for out in router.generate(request_id, None, prompt, params):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+    async def scenario():
+        config = RouterConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0)
+        router = Router(spec("decode", model=str(model)).engine, Tokenizer(model), launcher, launcher.secret, config,
+                        ConnectorSpec("shm"))
+        try:
+            await router.start(1, 1)
+            outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))
+            roles = {w["name"]: w["role"] for w in router.workers_view()}
+            pid = launcher.pid("kvbaton-prefill-0")
+            await asyncio.to_thread(launcher.kill, "kvbaton-prefill-0")  # how the router fences a dead worker
+            assert not launcher.is_alive("kvbaton-prefill-0") and not Path(f"/proc/{pid}").exists()
+            return outs, roles
+        finally:
+            await router.shutdown()
+
+    try:
+        outs, roles = asyncio.run(asyncio.wait_for(scenario(), 300))
+    finally:
+        launcher.cpus_per_worker = None
+    assert roles == {"kvbaton-prefill-0": "prefill", "kvbaton-decode-0": "decode"}
+    assert outs == hf_greedy(model, prompts, 12)
+    assert live_groups() == {} and launcher.list_workers() == []
