@@ -73,7 +73,7 @@ class RouterConfig:
     local_prefill_threshold: int = 64
     transfer_deadline_s: float = 30.0
     heartbeat_s: float = 0.5
-    dead_after_s: float = 3.0  # no heartbeat for this long: the worker is gone
+    dead_after_s: float = 5.0  # no heartbeat for this long: the worker is gone
     start_timeout_s: float = 600.0
 
 
@@ -147,16 +147,17 @@ class Router:
         self.address = f"tcp://{self.host}:{port}"
         self._tasks = [asyncio.create_task(self._event_loop()), asyncio.create_task(self._watchdog())]
         decode_role = "decode" if num_prefill else "both"
-        names = [self.add_worker("prefill") for _ in range(num_prefill)]
-        names += [self.add_worker(decode_role) for _ in range(num_decode)]
+        names = [await self.add_worker("prefill") for _ in range(num_prefill)]
+        names += [await self.add_worker(decode_role) for _ in range(num_decode)]
         await self.wait_for_workers(names, self.config.start_timeout_s)
 
-    def add_worker(self, role: str) -> str:
+    async def add_worker(self, role: str) -> str:
         """Start one more worker in `role`; it joins the pool when it says hello."""
         spec = WorkerSpec(role, self._next_index[role], self.engine_config, self.address, self.host,
                           self.connector, self.config.heartbeat_s)
         self._next_index[role] += 1
-        self.launcher.launch(spec)
+        # NOTE: off the event loop: a Ray launch waits for its placement group.
+        await asyncio.to_thread(self.launcher.launch, spec)
         return spec.name
 
     async def wait_for_workers(self, names: list[str], timeout_s: float) -> None:

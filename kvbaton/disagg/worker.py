@@ -7,8 +7,10 @@ and a PUSH socket to the router for events. Every frame is signed (`channel.py`)
 fails verification is logged and dropped and the worker goes on.
 
 The loop: take every pending command, move KV transfers along (connector polls), run one
-engine step if anything is runnable, push its outputs; a heartbeat with the worker's load
-goes out every `heartbeat_s` even when idle, so the router notices a dead worker in bounded time.
+engine step if anything is runnable, push its outputs. A heartbeat with the worker's last
+known load goes out every `heartbeat_s` from a thread of its own (with its own socket: ZeroMQ
+sockets are not thread-safe), so a long prefill step does not look like a dead worker, while a
+stopped or killed process falls silent and the router notices within its `dead_after_s`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import time
+import signal
+import sys
+import threading
 
 import msgspec
 import zmq
@@ -56,6 +60,7 @@ from kvbaton.models.registry import resolve_model
 
 logger = logging.getLogger("kvbaton.worker")
 BUSY_POLL_MS = 2  # while transfers are in flight but nothing is runnable
+IDLE_POLL_MS = 500  # idle: wake up now and then (to notice a dead launcher)
 
 
 class Worker:
@@ -82,7 +87,11 @@ class Worker:
         self.running = True
         self.draining = False
         self._parent_pid = os.getppid() if exit_with_parent else None
-        self._next_heartbeat = 0.0
+        self.last_load = self._load()  # what the heartbeat thread reports; replaced, never mutated
+        self._stop = threading.Event()
+        # NOTE: the thread gets its own codec too; encoders are not shared across threads.
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, args=(ctx, SignedCodec(secret, FromWorker)),
+                                           name="heartbeat", daemon=True)
 
     # ---- loop --------------------------------------------------------------------------------
 
@@ -90,6 +99,7 @@ class Worker:
         self._send(WorkerHello(self.name, self.spec.role, self.spec.index, os.getpid(), self.address, self.core.info,
                                self.layout, self.receiver.address if self.receiver else None, self._load()))
         logger.info("%s ready: commands on %s", self.name, self.address)
+        self._heartbeat.start()
         while self.running:
             if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 logger.error("launcher is gone; exiting")
@@ -101,15 +111,12 @@ class Worker:
                 outputs = self.core.step()
                 self._report_transfer_refusals()
                 self._send(WorkerOutputs(self.name, outputs, self._load()))
-            self._maybe_heartbeat()
             if self.draining and self._idle():
                 self._send(Drained(self.name))
                 self.draining = False
 
     def _idle_wait_ms(self) -> int:
-        if self._transfers_in_flight():
-            return BUSY_POLL_MS
-        return max(1, int(min(self.spec.heartbeat_s, self._next_heartbeat - time.monotonic()) * 1000))
+        return BUSY_POLL_MS if self._transfers_in_flight() else IDLE_POLL_MS
 
     def _drain_commands(self, block_ms: int) -> None:
         while self.commands.poll(block_ms):
@@ -238,18 +245,26 @@ class Worker:
 
     def _load(self) -> WorkerLoad:
         scheduler = self.core.scheduler
-        return WorkerLoad(self.core.stats(), len(scheduler.receiving), len(scheduler.held))
+        self.last_load = WorkerLoad(self.core.stats(), len(scheduler.receiving), len(scheduler.held))
+        return self.last_load
 
-    def _maybe_heartbeat(self) -> None:
-        now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._send(Heartbeat(self.name, self._load()))
-            self._next_heartbeat = now + self.spec.heartbeat_s
+    def _heartbeat_loop(self, ctx: zmq.Context, codec: SignedCodec) -> None:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.spec.router)
+        try:
+            while not self._stop.wait(self.spec.heartbeat_s):
+                sock.send(codec.encode(Heartbeat(self.name, self.last_load)))
+        finally:
+            sock.close()
 
     def _send(self, msg) -> None:
         self.events.send(self.codec_out.encode(msg), copy=False)
 
     def close(self) -> None:
+        self._stop.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=2 * self.spec.heartbeat_s + 1)
         for conn in (self.sender, self.receiver):
             if conn is not None:
                 conn.close()
@@ -271,6 +286,9 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
         setproctitle.setproctitle(spec.name)
     except ImportError:
         pass
+    # NOTE: SIGTERM (a launcher's polite stop) unwinds like SIGINT, so sockets, shared-memory
+    # segments and connector threads are released in `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     core = build_core(spec)
     ctx = zmq.Context()
     worker = Worker(spec, secret, core, ctx, exit_with_parent)

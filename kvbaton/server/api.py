@@ -251,7 +251,7 @@ def add_worker_routes(app: FastAPI, client) -> None:
             raise ApiError(400, "role must be 'prefill' or 'decode'", "BadRequestError", "role")
         if role == "decode" and not any(w["role"] == "prefill" for w in client.workers_view()):
             role = "both"  # colocated replicas prefill themselves
-        name = client.add_worker(role)
+        name = await client.add_worker(role)
         try:
             await client.wait_for_workers([name], body.get("timeout_s", 600))
         except Exception as exc:

@@ -25,7 +25,7 @@ def test_add_then_drain_under_load(tiny_llama):
             first = [asyncio.create_task(collect(router, f"a{i}", p, max_new, on_token))
                      for i, p in enumerate(prompts[:4])]
             await started.wait()
-            name = router.add_worker("both")
+            name = await router.add_worker("both")
             await router.wait_for_workers([name], 120)
             with pytest.raises(KeyError):
                 await router.drain_worker("kvbaton-both-9")
