@@ -23,11 +23,14 @@ async def start_router(config: EngineConfig, tokenizer: Tokenizer, options) -> t
         server = start_redis_server()
         redis_url = server.url
         cleanups.append(server.stop)
+    host = "127.0.0.1"
     if options.backend == "ray":
         from kvbaton.cluster.ray import RayLauncher
 
         launcher = RayLauncher(secret, address=options.ray_address)
         cleanups.append(launcher.close)
+        launcher.start()
+        host = launcher.node_ip  # workers on other nodes must reach the router
     else:
         from kvbaton.cluster.local import LocalLauncher
 
@@ -36,7 +39,7 @@ async def start_router(config: EngineConfig, tokenizer: Tokenizer, options) -> t
                                  local_prefill_threshold=options.local_prefill_threshold,
                                  transfer_deadline_s=options.transfer_timeout_s)
     router = Router(config, tokenizer, launcher, secret, router_config,
-                    ConnectorSpec(options.kv_transport, redis_url=redis_url))
+                    ConnectorSpec(options.kv_transport, redis_url=redis_url), host=host)
     try:
         await router.start(options.prefill, max(options.decode, 1))
     except BaseException:
