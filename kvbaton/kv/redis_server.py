@@ -1,0 +1,165 @@
+"""A private, throw-away `redis-server` for the redis KV transport.
+
+`kvbaton serve --kv-transport redis` without `--redis-url` starts one of these (and tests do):
+bound to loopback only, no persistence (`save ''`, `appendonly no`: KV blocks are transient
+and must not reach a disk), a free port, and a random `requirepass`. The config travels on
+the server's stdin (`redis-server -`), so the password never shows in `ps`; the returned URL
+carries it, so hand the URL to workers the way the cluster secret goes (environment, not argv).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_CHILDREN: dict[int, subprocess.Popen] = {}  # pid -> handle, so stop() can reap what start() spawned
+_PR_SET_PDEATHSIG = 1
+
+
+class RedisServerError(RuntimeError):
+    """redis-server is missing, or did not come up."""
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    pid: int
+    host: str
+    port: int
+    url: str  # redis://:<password>@host:port/0 — a secret: keep it out of argv and logs
+    workdir: str  # its `dir` and log file; removed by stop()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        stop_redis_server(self.pid, timeout_s)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def redis_server_binary() -> str | None:
+    return shutil.which("redis-server")
+
+
+def start_redis_server(host: str = "127.0.0.1", maxmemory_mb: int | None = None, startup_timeout_s: float = 10.0,
+                       die_with_parent: bool = True) -> RedisServer:
+    """Start redis-server on a free port and wait until it answers an authenticated PING.
+
+    `die_with_parent`: the server gets SIGTERM when the thread that started it exits (Linux
+    PR_SET_PDEATHSIG), so a crashed `kvbaton serve` leaves no orphan — start it from the main
+    thread, or pass False and own its lifetime.
+    """
+    binary = redis_server_binary()
+    if binary is None:
+        raise RedisServerError("redis-server is not installed (scripts/setup.sh installs it: apt-get install "
+                               "redis-server), or pass --redis-url of a running server")
+    errors = []
+    for _ in range(3):  # NOTE: the free port can be taken between probe and bind; then try another
+        try:
+            return _start_once(binary, host, _free_port(host), maxmemory_mb, startup_timeout_s, die_with_parent)
+        except RedisServerError as exc:
+            errors.append(str(exc))
+    raise RedisServerError("redis-server did not start: " + " | ".join(errors))
+
+
+def stop_redis_server(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGTERM the server with this PID, SIGKILL it after `timeout_s`, and reap it."""
+    proc = _CHILDREN.pop(pid, None)
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    if proc is not None:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+        return
+    deadline = time.monotonic() + timeout_s  # not our child: all we can do is watch the PID
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+def _start_once(binary: str, host: str, port: int, maxmemory_mb: int | None, startup_timeout_s: float,
+                die_with_parent: bool) -> RedisServer:
+    password = secrets.token_hex(24)
+    workdir = tempfile.mkdtemp(prefix="kvbaton-redis-")
+    log = Path(workdir, "redis.log")
+    lines = [f"bind {host}", f"port {port}", "protected-mode yes", "save ''", "appendonly no", f"dir {workdir}",
+             f"logfile {log}", "daemonize no", f"requirepass {password}"]
+    if maxmemory_mb:
+        lines += [f"maxmemory {maxmemory_mb}mb", "maxmemory-policy noeviction"]  # refuse writes, never drop KV
+    proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None)
+    proc.stdin.write(("\n".join(lines) + "\n").encode())
+    proc.stdin.close()
+    _CHILDREN[proc.pid] = proc
+    url = f"redis://:{password}@{host}:{port}/0"
+    try:
+        _wait_ready(proc, url, log, startup_timeout_s)
+    except RedisServerError:
+        stop_redis_server(proc.pid)
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    logger.info("redis-server pid %d listening on %s:%d", proc.pid, host, port)
+    return RedisServer(proc.pid, host, port, url, workdir)
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_connect_timeout=1.0, socket_timeout=1.0)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RedisServerError(f"exited with code {proc.returncode}: {_tail(log)}")
+            try:
+                if client.ping():
+                    return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RedisServerError(f"no answer within {timeout_s:.0f} s: {_tail(log)}")
+    finally:
+        client.close()
+
+
+def _tail(log: Path) -> str:
+    try:
+        return " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
+    except OSError:
+        return "(no log)"
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the caller's stop() is then the only way down
