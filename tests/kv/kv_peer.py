@@ -1,0 +1,100 @@
+"""A KV sender in its own process, for the cross-process connector tests.
+
+    KVBATON_CLUSTER_SECRET=... python tests/kv/kv_peer.py --transport shm --address tcp://... \
+        --seed 3 --dtype bfloat16 --src 1,5,2 --dst 7,0,3 [--shared] [--layers N --then hang]
+
+Builds the pools `seeded_pools` makes (so the test can rebuild the expected rows), sends request
+"x", and prints one JSON line per event: {"event": "ready"|"sent"|"done", ...}. It never outlives
+--max-s, so a failed test cannot leave it behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+from kvbaton.disagg.channel import SECRET_ENV
+from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_sender
+from kvbaton.kv.layout import KVLayout
+
+LAYERS, BLOCK, HEADS, DIM, BLOCKS = 4, 4, 2, 8, 48
+
+
+def pool_shape(num_blocks: int = BLOCKS) -> tuple[int, int, int, int]:
+    return (num_blocks * BLOCK, 2, HEADS, DIM)
+
+
+def seeded_pools(seed: int, dtype: torch.dtype, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Random pools from `seed`, written into `out` (e.g. shared memory) when given."""
+    gen = torch.Generator().manual_seed(seed)
+    pools = [torch.randn(pool_shape(), generator=gen).to(dtype) for _ in range(LAYERS)]
+    if out is None:
+        return pools
+    for dst, src in zip(out, pools):
+        dst.copy_(src)
+    return out
+
+
+def emit(event: str, **fields) -> None:
+    print(json.dumps({"event": event, "pid": os.getpid(), **fields}), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", required=True)
+    p.add_argument("--address", required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--src", required=True)
+    p.add_argument("--dst", required=True)
+    p.add_argument("--shared", action="store_true", help="pools in shared memory (shm zero-copy)")
+    p.add_argument("--layers", type=int, default=LAYERS, help="send only the first N layers")
+    p.add_argument("--then", choices=("close", "hang"), default="close")
+    p.add_argument("--max-s", type=float, default=30.0)
+    args = p.parse_args()
+    watchdog = threading.Timer(args.max_s, lambda: os._exit(3))  # never outlive a failed test
+    watchdog.daemon = True
+    watchdog.start()
+
+    dtype = getattr(torch, args.dtype)
+    handle = None
+    if args.shared:
+        from kvbaton.kv.connectors.shm import allocate_shared_kv_caches
+
+        pools, handle = allocate_shared_kv_caches(LAYERS, pool_shape(), dtype, "kvpeer")
+        seeded_pools(args.seed, dtype, out=pools)
+    else:
+        pools = seeded_pools(args.seed, dtype)
+    layout = KVLayout.of(pools, BLOCK)
+    config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), worker_name="kvpeer")
+    sender = make_sender(config, layout, pools)
+    src = [int(b) for b in args.src.split(",")]
+    dst = [int(b) for b in args.dst.split(",")]
+    sender.begin(TransferSpec("x", src, dst, args.address, layout, deadline_s=20.0))
+    emit("ready", segment=handle.name if handle else None)
+    for layer in range(args.layers):
+        sender.save_layer(layer, ["x"])
+    emit("sent", layers=args.layers)
+    if args.then == "hang":
+        time.sleep(args.max_s)
+    deadline = time.monotonic() + 20.0
+    while time.monotonic() < deadline:
+        result = sender.poll()
+        if result.completed or result.failed:
+            emit("done", completed=result.completed, failed=result.failed)
+            break
+        time.sleep(0.005)
+    sender.close()
+    if handle is not None:
+        handle.close()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
