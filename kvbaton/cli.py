@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbaton.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    workers = sub.add_parser("workers", help="list, add or drain the workers of a running `kvbaton serve`")
+    workers.add_argument("action", choices=["list", "add", "drain"])
+    workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
+    workers.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    workers.add_argument("--api-key", default=os.environ.get("KVBATON_API_KEY"))
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     model_sub.add_parser("pull", help=f"fetch and convert the default model ({DEFAULT_MODEL})")
@@ -131,6 +136,38 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
+def cmd_workers(args: argparse.Namespace) -> int:
+    import httpx
+
+    if args.action != "list" and args.target is None:
+        raise ConfigError(f"kvbaton workers {args.action}: say which {'role' if args.action == 'add' else 'worker'}")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        resp = _workers_request(args, headers)
+    except httpx.HTTPError as exc:
+        raise ConfigError(f"cannot reach {args.url}: {exc}") from exc
+    if resp.status_code != 200:
+        raise ConfigError(resp.json().get("error", {}).get("message", resp.text))
+    if args.action == "list":
+        for w in resp.json()["workers"]:
+            print(f"{w['name']:<20} pid {w.get('pid')!s:<8} {'healthy' if w.get('healthy') else 'DOWN':<8} "
+                  f"running {w.get('num_running', 0):<4} waiting {w.get('num_waiting', 0):<4} "
+                  f"kv {w.get('kv_cache_usage', 0.0):.0%}{'  draining' if w.get('draining') else ''}")
+    else:
+        print(resp.json())
+    return 0
+
+
+def _workers_request(args: argparse.Namespace, headers: dict):
+    import httpx
+
+    if args.action == "list":
+        return httpx.get(f"{args.url}/workers", headers=headers, timeout=10)
+    if args.action == "add":
+        return httpx.post(f"{args.url}/admin/workers", json={"role": args.target}, headers=headers, timeout=660)
+    return httpx.post(f"{args.url}/admin/workers/{args.target}/drain", headers=headers, timeout=30)
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     from kvbaton.models.registry import pull_default_model
 
@@ -141,10 +178,11 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench}
+    handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench,
+                "workers": cmd_workers}
     try:
         return handlers[args.command](args)
-    except (ConfigError, InvalidRequestError, FileNotFoundError) as exc:
+    except (ConfigError, InvalidRequestError, FileNotFoundError, OSError) as exc:
         print(f"kvbaton: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

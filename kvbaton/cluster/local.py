@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from kvbaton.disagg.channel import SECRET_ENV
-from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +26,8 @@ class LocalWorker:
 class LocalLauncher:
     """One `python -m kvbaton.disagg.worker` process per worker, titled `kvbaton-<role>-<index>`.
 
-    The cluster secret goes through the environment, never the command line (`ps` shows argv)."""
+    The cluster secret and the spec (which may hold a Redis password) go through the
+    environment, never the command line (`ps` shows argv to everyone)."""
 
     backend = "local"
 
@@ -36,9 +37,9 @@ class LocalLauncher:
         self.workers: dict[str, LocalWorker] = {}
 
     def launch(self, spec: WorkerSpec) -> None:
-        cmd = [sys.executable, "-m", "kvbaton.disagg.worker", "--spec-json", msgspec.json.encode(spec).decode(),
-               "--exit-with-parent"]
-        env = {**os.environ, SECRET_ENV: self._secret.decode(), "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "kvbaton.disagg.worker", "--exit-with-parent"]
+        env = {**os.environ, SECRET_ENV: self._secret.decode(), SPEC_ENV: msgspec.json.encode(spec).decode(),
+               "TOKENIZERS_PARALLELISM": "false"}
         threads = spec.engine.num_threads
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)

@@ -47,7 +47,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvbaton.disagg.channel import SECRET_ENV
-from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ class WorkerHost:
         context = ray.get_runtime_context()
         node_ip = ray.util.get_node_ip_address()
         spec = bind_to_node(msgspec.json.decode(spec_json, type=WorkerSpec), node_ip)
-        env = {**os.environ, SECRET_ENV: secret.reveal().decode(), "TOKENIZERS_PARALLELISM": "false"}
+        env = {**os.environ, SECRET_ENV: secret.reveal().decode(), SPEC_ENV: msgspec.json.encode(spec).decode(),
+               "TOKENIZERS_PARALLELISM": "false"}
         if spec.engine.num_threads:
             env["OMP_NUM_THREADS"] = str(spec.engine.num_threads)
-        cmd = [sys.executable, "-c", _WORKER_BOOTSTRAP, "--spec-json", msgspec.json.encode(spec).decode(),
-               "--exit-with-parent"]
+        cmd = [sys.executable, "-c", _WORKER_BOOTSTRAP, "--exit-with-parent"]
         self.proc = subprocess.Popen(cmd, env=env)
         self._info = HostInfo(context.get_actor_id(), context.get_node_id(), node_ip, self.proc.pid)
 

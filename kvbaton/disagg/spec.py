@@ -6,6 +6,7 @@ import msgspec
 
 from kvbaton.config import EngineConfig
 
+SPEC_ENV = "KVBATON_WORKER_SPEC"  # how a launcher hands a worker its spec (never argv: `ps` shows argv)
 ROLES = ("prefill", "decode", "both")  # "both": a colocated worker (prefills and decodes its own requests)
 
 

@@ -1,6 +1,9 @@
 """A worker process: one engine core in a role (prefill, decode, or both), driven by the router.
 
-    python -m kvbaton.disagg.worker --spec-json '<WorkerSpec as JSON>'   (secret in $KVBATON_CLUSTER_SECRET)
+    python -m kvbaton.disagg.worker      (spec in $KVBATON_WORKER_SPEC, secret in $KVBATON_CLUSTER_SECRET)
+
+Both come through the environment, never argv: `ps` shows every process's command line to
+every user, and a spec can hold credentials (a Redis URL with its password).
 
 Sockets: a PULL socket bound on the address it was given (port chosen by the OS) for commands,
 and a PUSH socket to the router for events. Every frame is signed (`channel.py`); a frame that
@@ -49,7 +52,7 @@ from kvbaton.disagg.messages import (
     WorkerLoad,
     WorkerOutputs,
 )
-from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
 from kvbaton.engine.core import EngineCore
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import InvalidRequestError
@@ -301,9 +304,12 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="kvbaton worker (prefill / decode / both)")
-    parser.add_argument("--spec-json", required=True)
+    parser.add_argument("--spec-json", default=os.environ.get(SPEC_ENV),
+                        help=f"the WorkerSpec as JSON (default: ${SPEC_ENV}; prefer the environment)")
     parser.add_argument("--exit-with-parent", action="store_true")
     args = parser.parse_args(argv)
+    if not args.spec_json:
+        parser.exit(2, f"kvbaton worker: no spec (set {SPEC_ENV} or pass --spec-json)\n")
     spec = msgspec.json.decode(args.spec_json.encode(), type=WorkerSpec)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     secret = os.environ.get(SECRET_ENV, "").encode()
