@@ -275,10 +275,23 @@ class Worker:
         self.events.close()
 
 
-def build_core(spec: WorkerSpec) -> EngineCore:
+def build_core(spec: WorkerSpec) -> tuple[EngineCore, object | None]:
+    """The worker's engine, and the shared-memory pool handle when its KV lives in one (a shm
+    prefill worker: decode workers then copy blocks straight out of its pool)."""
     model_dir = resolve_model(spec.engine.model)
     eos = eos_token_ids(ModelConfig.from_dir(model_dir), Tokenizer(model_dir))
-    return EngineCore(spec.engine, model_dir, eos)
+    if spec.role != "prefill" or spec.connector.transport != "shm":
+        return EngineCore(spec.engine, model_dir, eos), None
+    from kvbaton.kv.connectors.shm import allocate_shared_kv_caches
+
+    pools = []
+
+    def allocate(num_layers: int, shape: tuple[int, ...], dtype):
+        caches, pool = allocate_shared_kv_caches(num_layers, shape, dtype, spec.name)
+        pools.append(pool)
+        return caches
+
+    return EngineCore(spec.engine, model_dir, eos, kv_allocator=allocate), pools[0]
 
 
 def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) -> None:
@@ -292,7 +305,7 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
     # NOTE: SIGTERM (a launcher's polite stop) unwinds like SIGINT, so sockets, shared-memory
     # segments and connector threads are released in `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    core = build_core(spec)
+    core, shared_pool = build_core(spec)
     ctx = zmq.Context()
     worker = Worker(spec, secret, core, ctx, exit_with_parent)
     try:
@@ -300,6 +313,8 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
     finally:
         worker.close()
         ctx.term()
+        if shared_pool is not None:
+            shared_pool.close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,7 +13,7 @@ import torch
 
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvbaton.engine.model_runner import ModelRunner, kv_bytes_per_block
+from kvbaton.engine.model_runner import KVAllocator, ModelRunner, kv_bytes_per_block
 from kvbaton.engine.outputs import EngineCoreOutput
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
@@ -97,7 +97,8 @@ def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingPar
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: tuple[int, ...],
+                 kv_allocator: KVAllocator | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype)
@@ -118,7 +119,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, config.seed, eos_token_ids,
-                                  use_kernels=config.kernels)
+                                  use_kernels=config.kernels, kv_allocator=kv_allocator)
         if config.compile:
             from kvbaton.engine.compile import compile_model
 

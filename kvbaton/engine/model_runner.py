@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +24,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
-def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> list[KVCache]:
+# (num_layers, per-layer shape, dtype) -> per-layer pools; e.g. pools in shared memory (shm transport)
+KVAllocator = Callable[[int, tuple[int, ...], torch.dtype], list[KVCache]]
+
+
+def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       allocator: KVAllocator | None = None) -> list[KVCache]:
     shape = (num_blocks * block_size, 2, cfg.num_key_value_heads, cfg.head_dim)
+    if allocator is not None:
+        return allocator(cfg.num_hidden_layers, shape, dtype)
     return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
 
@@ -45,12 +53,13 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), use_kernels: bool = True) -> None:
+                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), use_kernels: bool = True,
+                 kv_allocator: KVAllocator | None = None) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.dtype = dtype
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, kv_allocator)
         cfg = model.config
         self.decode_kernel = (paged_decode_kernel(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
                               if use_kernels else None)

@@ -41,9 +41,9 @@ def transport_args(transport: str, request) -> dict:
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp", "redis", "mooncake"])
-def test_1p1d_matches_transformers(tiny_llama, transport, request):
+def test_1p1d_matches_transformers(tiny_llama, transport, request, tmp_path):
     """Short prompts (under one block), long ones, concurrent ones, and decode-side prefix hits."""
-    extra = transport_args(transport, request)
+    extra = transport_args(transport, request) | {"log_dir": tmp_path}
     base = tiny_prompts(10, [1, 3, 4, 5, 17, 40])
     shared = tiny_prompts(11, [33])[0]
     partial = shared[:24] + tiny_prompts(12, [9])[0]  # shares 6 blocks of 4 with `shared`
@@ -66,6 +66,8 @@ def test_1p1d_matches_transformers(tiny_llama, transport, request):
     assert part == refs[7]
     assert counters["disaggregated"] == 9 and counters["fallbacks"] == 0, counters
     assert hit_tokens >= 32 + 24, "the decode worker's prefix cache should have skipped blocks"
+    if transport == "shm":  # the prefill worker's pool is in shared memory: no staging copy
+        assert "not in shared memory" not in (tmp_path / "kvbaton-prefill-0.log").read_text()
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
