@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
 # NOTE: measured on a 2-core AVX2 EPYC: an (emulated) bf16 GEMM loses to fp32 from ~16 rows on.
 UPCAST_MIN_ROWS = 16
+# bf16 models up to this size also keep an fp32 copy of their weights for many-row steps.
+FP32_WEIGHT_COPY_MAX_BYTES = 2**30
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -109,7 +111,9 @@ class EngineCore:
         model = load_model(model_dir, self.dtype, max_model_len)
         if self.dtype == torch.bfloat16 and not has_native_bf16():
             # NOTE: emulated bf16: many rows compute in fp32, a few rows stream bf16 weights in C.
-            set_compute_paths(model, UPCAST_MIN_ROWS, small_batch_linear() if config.kernels else None)
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            set_compute_paths(model, UPCAST_MIN_ROWS, small_batch_linear() if config.kernels else None,
+                              keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES)
         block_size = config.cache.block_size
         block_bytes = kv_bytes_per_block(self.model_config, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_memory_gb * 2**30 // block_bytes))
