@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "linear_bf16.c")
+SOURCES = ("paged_attention.c", "linear_bf16.c", "copy_rows.c")
 # Limits compiled into paged_attention.c (stack buffers); other shapes use the PyTorch path.
 MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
 MAX_LINEAR_ROWS = 8
@@ -82,6 +82,10 @@ def cpu_kernels() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                    ctypes.c_int, ctypes.c_float, ctypes.c_int]
+    fn = lib.kvbaton_copy_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int]
     fn = lib.kvbaton_linear_bf16
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -153,3 +157,18 @@ class SmallBatchLinear:
 def small_batch_linear() -> SmallBatchLinear | None:
     lib = cpu_kernels()
     return None if lib is None else SmallBatchLinear(lib, torch.get_num_threads())
+
+
+def copy_rows_kernel():
+    """`fn(dst_addr, src_addr, dst_rows: int64 array, src_rows: int64 array, row_bytes)` or None.
+
+    Callers bound-check the rows first: this copies by raw address."""
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    fn, threads = lib.kvbaton_copy_rows, max(1, torch.get_num_threads())
+
+    def copy(dst_addr: int, src_addr: int, dst_rows, src_rows, row_bytes: int) -> None:
+        fn(dst_addr, src_addr, dst_rows.ctypes.data, src_rows.ctypes.data, len(dst_rows), row_bytes, threads)
+
+    return copy

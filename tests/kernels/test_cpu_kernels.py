@@ -104,3 +104,18 @@ def test_bf16_engine_kernels_agree_with_pytorch_path(tiny_models):
     for (tok_k, lp_k), (tok_t, lp_t) in zip(results[True], results[False]):
         assert tok_k == tok_t
         assert max(abs(a - b) for a, b in zip(lp_k, lp_t)) < 0.1
+
+
+def test_copy_rows_scatters_whole_rows():
+    import numpy as np
+
+    from kvbaton.kernels import copy_rows_kernel
+
+    src = torch.randn(50, 96)
+    dst = torch.zeros(40, 96)
+    src_rows = np.array([3, 49, 0, 17, 18, 19, 7, 8, 30, 31, 2], dtype=np.int64)
+    dst_rows = np.array([39, 0, 5, 6, 7, 8, 20, 1, 2, 3, 11], dtype=np.int64)
+    copy_rows_kernel()(dst.data_ptr(), src.data_ptr(), dst_rows, src_rows, 96 * 4)
+    expected = torch.zeros(40, 96)
+    expected[torch.from_numpy(dst_rows)] = src[torch.from_numpy(src_rows)]
+    assert torch.equal(dst, expected)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import zmq
 
+from kvbaton.kernels import copy_rows_kernel
 from kvbaton.kv.layout import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -163,8 +164,14 @@ def copy_rows(dst_addr: int, dst_rows: Sequence[int], src_addr: int, src_rows: S
 
     NOTE: raw addresses, because torch's index_select/index_copy_ move KV rows at a fraction of
     memcpy speed; so every caller bound-checks the rows first (`rows_within`). ctypes releases the
-    GIL during each memmove, so the other thread keeps going.
+    GIL during the copy, so the other thread keeps going. Many scattered rows go to the C kernel
+    (one call, all threads); a few runs, or no compiler, take one memmove per run.
     """
+    kernel = copy_rows_kernel() if len(dst_rows) > 8 else None
+    if kernel is not None:
+        kernel(dst_addr, src_addr, np.ascontiguousarray(dst_rows, dtype=np.int64),
+               np.ascontiguousarray(src_rows, dtype=np.int64), row_bytes)
+        return
     for d, s, n in _runs(dst_rows, src_rows):
         ctypes.memmove(dst_addr + d * row_bytes, src_addr + s * row_bytes, n * row_bytes)
 
