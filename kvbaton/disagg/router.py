@@ -18,6 +18,7 @@ client already has; a transfer that fails or times out falls back to a local pre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -59,6 +60,7 @@ from kvbaton.engine.output_processor import OutputProcessor
 from kvbaton.engine.outputs import EngineCoreOutput, RemoteDecode
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.engine.streams import stream_outputs
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.layout import KVLayout
 
@@ -231,20 +233,14 @@ class Router:
         flight = Flight(request_id, token_ids, params, priority, asyncio.Queue())
         self.flights[request_id] = flight
         self.outputs.add_request(request_id, prompt, token_ids, params, time.monotonic())
-        finished = False
         try:
             await self._dispatch(flight)
-            while not finished:
-                item = await flight.queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+            # NOTE: aclosing: if our consumer stops early, the inner stream must run its abort now.
+            async with contextlib.aclosing(stream_outputs(flight.queue, lambda: self.abort(request_id))) as stream:
+                async for out in stream:
+                    yield out
         finally:
             self.flights.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.outputs.abort(request_id)

@@ -7,6 +7,7 @@ Detokenization and stop strings run here, in the frontend, so the core never see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -37,6 +38,7 @@ from kvbaton.engine.messages import (
 from kvbaton.engine.output_processor import OutputProcessor
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.engine.streams import stream_outputs
 from kvbaton.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -124,19 +126,13 @@ class AsyncEngineClient:
         arrival = time.monotonic()
         self.outputs.add_request(request_id, prompt, token_ids, params, arrival)
         await self._push.send(self._to_core.encode(AddRequest(request_id, token_ids, params, priority, arrival)))
-        finished = False
         try:
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+            # NOTE: aclosing: if our consumer stops early, the inner stream must run its abort now.
+            async with contextlib.aclosing(stream_outputs(queue, lambda: self.abort(request_id))) as stream:
+                async for out in stream:
+                    yield out
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         self.outputs.abort(request_id)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from conftest import collect, router_over, run, tiny_prompts
 from helpers import hf_greedy
+from pd_harness import collect, router_over, run, tiny_prompts
 
 
 def test_add_then_drain_under_load(tiny_llama):

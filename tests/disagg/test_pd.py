@@ -12,8 +12,8 @@ import signal
 import time
 
 import pytest
-from conftest import collect, router_over, run, tiny_prompts
 from helpers import hf_greedy
+from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.disagg.flight import Phase
 

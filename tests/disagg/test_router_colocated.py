@@ -7,8 +7,8 @@ import asyncio
 import os
 import signal
 
-from conftest import collect, router_over, run, tiny_prompts
 from helpers import hf_greedy
+from pd_harness import collect, router_over, run, tiny_prompts
 
 MAX_NEW = 24
 

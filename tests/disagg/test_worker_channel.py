@@ -9,8 +9,8 @@ from pathlib import Path
 
 import msgspec
 import zmq
-from conftest import collect, router_over, run, tiny_prompts
 from helpers import hf_greedy
+from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.disagg.channel import MAX_CONTROL_FRAME_BYTES, SignedCodec
 from kvbaton.disagg.messages import Shutdown, ToWorker

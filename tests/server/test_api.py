@@ -7,7 +7,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import kvbaton_server
+from server_harness import kvbaton_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

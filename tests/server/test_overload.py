@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from conftest import kvbaton_server
+from server_harness import kvbaton_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -50,7 +50,7 @@ def test_overload_gets_fast_503_and_admitted_requests_finish(default_model_dir):
 
 
 def test_engine_core_death_is_reported_not_hung(default_model_dir):
-    from conftest import child_pids
+    from server_harness import child_pids
 
     with kvbaton_server("--dtype", "float32") as (base, proc):
         core_pid = child_pids(proc.pid)[0]

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import kvbaton_server
 from helpers import hf_greedy
+from server_harness import kvbaton_server
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import kvbaton_server, pid_alive
 from helpers import hf_greedy
+from server_harness import kvbaton_server, pid_alive
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 

@@ -1,0 +1,68 @@
+"""A real router over real worker processes, for the disaggregation tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+from helpers import TINY_VOCAB
+
+from kvbaton.cluster.local import LocalLauncher
+from kvbaton.config import CacheConfig, EngineConfig
+from kvbaton.disagg.channel import cluster_secret
+from kvbaton.disagg.router import Router, RouterConfig
+from kvbaton.disagg.spec import ConnectorSpec
+from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.engine.tokenizer import Tokenizer
+
+
+def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in lengths]
+
+
+@contextlib.asynccontextmanager
+async def router_over(model_dir, prefill: int, decode: int, transport: str = "shm", block_size: int = 4,
+                      redis_url: str | None = None, log_dir=None, **router_kwargs):
+    """A real router over real worker processes (tiny fp32 model); everything stopped after."""
+    engine = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1,
+                          cache=CacheConfig(block_size=block_size, num_blocks=256))
+    config = RouterConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **router_kwargs})
+    secret = cluster_secret()
+    router = Router(engine, Tokenizer(model_dir), LocalLauncher(secret, log_dir), secret, config,
+                    ConnectorSpec(transport, redis_url=redis_url))
+    try:
+        await router.start(prefill, decode)
+        yield router
+        await assert_pools_clean(router)
+    finally:
+        await router.shutdown()
+
+
+async def assert_pools_clean(router: Router, wait_s: float = 5.0) -> None:
+    """Every surviving worker's KV pool passes its integrity check and holds nothing (bounded wait:
+    a worker may still be releasing an aborted transfer)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        reports = await router.check_workers()
+        dirty = {name: r for name, r in reports.items() if r.error or r.num_requests or r.kv_cache_usage}
+        if not dirty or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert not dirty, f"workers not clean after the scenario: {dirty}"
+
+
+async def collect(router: Router, request_id: str, prompt: list[int], max_tokens: int, on_token=None) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[int] = []
+    async for out in router.generate(request_id, None, prompt, params):
+        tokens = list(out.outputs[0].token_ids)
+        if on_token is not None:
+            await on_token(request_id, len(tokens))
+    return tokens
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 300))
