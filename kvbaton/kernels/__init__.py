@@ -24,6 +24,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "linear_bf16.c", "copy_rows.c")
+HEADERS = ("vec8.h",)
 # Limits compiled into paged_attention.c (stack buffers); other shapes use the PyTorch path.
 MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
 MAX_LINEAR_ROWS = 8
@@ -65,7 +66,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
     from kvbaton.models.registry import cache_root
 
     digest = hashlib.sha256()
-    for s in SOURCES:
+    for s in (*SOURCES, *HEADERS):
         digest.update(Path(__file__).with_name(s).read_bytes())
     digest.update(" ".join(CFLAGS).encode() + compiler.encode() + _cpu_fingerprint().encode())
     out = cache_root() / "kernels" / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"

@@ -10,32 +10,10 @@
  * 1 <= M <= MAX_ROWS. Threads split N.
  */
 #include <stdint.h>
-#include <string.h>
+
+#include "vec8.h"
 
 #define MAX_ROWS 8
-
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-static inline f32x8 load_bf16x8(const uint16_t *p) {
-    u16x8 h;
-    memcpy(&h, p, sizeof h);
-    const u32x8 wide = __builtin_convertvector(h, u32x8) << 16;
-    f32x8 f;
-    memcpy(&f, &wide, sizeof f);
-    return f;
-}
-
-static inline f32x8 load8(const float *p) {
-    f32x8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum8(f32x8 v) {
-    return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 /* One row of x: four accumulators over consecutive chunks of K. */
 static inline float dot_one(const float *x, const uint16_t *w, int64_t k) {

@@ -22,23 +22,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec8.h"
+
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_KV_ROW 1024 /* num_kv_heads * head_dim */
 #define TILE 16          /* tokens converted and scored together */
 #define MIN_PARTITION_BLOCKS 8
-
-typedef float f32x8 __attribute__((vector_size(32)));
-
-static inline f32x8 load8(const float *p) {
-    f32x8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum8(f32x8 v) {
-    return (v[0] + v[4]) + (v[1] + v[5]) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
 
 /* q . k for four keys at once: four independent FMA chains hide the FMA latency that a single
  * dot product of 64-128 elements would wait on. d is a multiple of 8. */
