@@ -14,4 +14,7 @@ from kvbaton.engine.model_runner import ModelRunner
 
 def compile_model(runner: ModelRunner) -> None:
     for layer in runner.model.layers:
+        # NOTE: a compiled graph cannot call the ctypes kernels; inside it, inductor's own code runs.
+        for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            linear.small_batch_kernel = None
         layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=True, fullgraph=True)
