@@ -286,7 +286,9 @@ class Router:
         await self._send(decode, AddRequest(flight.attempt_id, prompt, params, flight.priority))
 
     async def _on_receive_ready(self, flight: Flight, msg: ReceiveReady) -> None:
-        decode = self.workers[flight.decode]
+        decode = self.workers.get(flight.decode)
+        if decode is None:
+            return  # it died meanwhile; its death re-dispatches this flight
         uncached = len(flight.prompt_token_ids) - msg.num_cached_tokens
         prefillers = self._pool("prefill")
         if uncached < self.config.local_prefill_threshold or not prefillers:
@@ -405,19 +407,23 @@ class Router:
                                 finish_reason=None if handed_off else output.finish_reason)
         flight.tokens.extend(output.new_token_ids)
         out, stop_string = self.outputs.process(client_output)
+        # NOTE: to the client first: `flight.tokens` (what a re-dispatch continues from) and the
+        # stream must never disagree, even if a send below meets a worker that just died.
+        flight.queue.put_nowait(out)
+        decode = self.workers.get(flight.decode)
         if handed_off:
             worker.attempts.discard(flight.attempt_id)
             flight.phase = Phase.DECODING
-            await self._send(self.workers[flight.decode], StartDecode(flight.attempt_id, output.new_token_ids[-1]))
-        elif output.finish_reason is not None and flight.phase != Phase.DECODING:
-            await self._send(self.workers[flight.decode], CancelReceive([flight.attempt_id]))  # ended at token 1
+            if decode is not None:
+                await self._send(decode, StartDecode(flight.attempt_id, output.new_token_ids[-1]))
+        elif output.finish_reason is not None and flight.phase != Phase.DECODING and decode is not None:
+            await self._send(decode, CancelReceive([flight.attempt_id]))  # ended at its first token
         if stop_string is not None and output.finish_reason is None:
             await self._stop_attempt(flight, "stop")
         elif out.finished:
             for name in (flight.prefill, flight.decode):
                 if name in self.workers:
                     self.workers[name].attempts.discard(flight.attempt_id)
-        flight.queue.put_nowait(out)
 
     def _fail(self, flight: Flight, exc: Exception) -> None:
         self.outputs.abort(flight.request_id)
