@@ -138,10 +138,17 @@ class SmallBatchLinear:
         self._fn = lib.kvbaton_linear_bf16
         self.num_threads = num_threads
 
+    @staticmethod
+    def supports_weight(weight: torch.Tensor) -> bool:
+        """What does not change from step to step: checked once per layer, when paths are chosen."""
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0 and weight.is_contiguous()
+
+    @staticmethod
+    def handles_rows(x: torch.Tensor) -> bool:
+        return 1 <= x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
+
     def handles(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        rows = x.numel() // x.shape[-1]
-        return (weight.dtype == torch.bfloat16 and 1 <= rows <= MAX_LINEAR_ROWS and weight.shape[1] % 8 == 0
-                and weight.is_contiguous())
+        return self.supports_weight(weight) and self.handles_rows(x)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, k = weight.shape

@@ -24,8 +24,8 @@ class Linear(nn.Linear):
     fp32_weight: torch.Tensor | None = None  # kept fp32 copy for the upcast path (small models only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.small_batch_kernel
-        if kernel is not None and kernel.handles(x, self.weight):
+        kernel = self.small_batch_kernel  # set only where the weight suits it (set_compute_paths)
+        if kernel is not None and kernel.handles_rows(x):
             return kernel(x, self.weight, self.bias)
         rows = self.upcast_min_rows
         if rows is not None and x.dtype != torch.float32 and x.numel() >= rows * x.shape[-1]:
@@ -42,6 +42,7 @@ def set_compute_paths(model: nn.Module, upcast_min_rows: int | None,
     for module in model.modules():
         if isinstance(module, Linear):
             module.upcast_min_rows = upcast_min_rows
-            module.small_batch_kernel = small_batch_kernel
+            suits = small_batch_kernel is not None and small_batch_kernel.supports_weight(module.weight)
+            module.small_batch_kernel = small_batch_kernel if suits else None
             upcast = keep_fp32_weights and upcast_min_rows is not None and module.weight.dtype != torch.float32
             module.fp32_weight = module.weight.detach().float() if upcast else None

@@ -201,13 +201,13 @@ def test_impossible_placement_fails_fast_and_keeps_nothing(launcher):
 
 
 @pytest.mark.slow
-def test_placement_not_granted_in_time_gives_back_what_it_got(launcher, monkeypatch):
+def test_placement_not_granted_in_time_gives_back_what_it_got(launcher):
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     other = placement_group([{"CPU": 1.25}])  # someone else's: leaves 0.75 CPU
     ray.get(other.ready(), timeout=10)
-    monkeypatch.setattr(launcher, "placement_timeout_s", 2.0)
+    saved, launcher.placement_timeout_s = launcher.placement_timeout_s, 2.0  # a setting, not a stand-in
     t0 = time.monotonic()
     try:
         with pytest.raises(PlacementError, match=r"kvbaton-decode-0 not granted within 2 s; the cluster has 2 CPU .*"
@@ -217,6 +217,7 @@ def test_placement_not_granted_in_time_gives_back_what_it_got(launcher, monkeypa
         assert set(live_groups()) == {other.id.hex()}  # the granted prefill group went back too
         assert launcher.list_workers() == []
     finally:
+        launcher.placement_timeout_s = saved
         remove_placement_group(other)
 
 
