@@ -16,5 +16,5 @@ def compile_model(runner: ModelRunner) -> None:
     for layer in runner.model.layers:
         # NOTE: a compiled graph cannot call the ctypes kernels; inside it, inductor's own code runs.
         for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            linear.small_batch_kernel = None
+            linear.small_batch_kernel = linear.packed = None
         layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=True, fullgraph=True)

@@ -113,7 +113,8 @@ class EngineCore:
             # NOTE: emulated bf16: many rows compute in fp32, a few rows stream bf16 weights in C.
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             set_compute_paths(model, UPCAST_MIN_ROWS, small_batch_linear() if config.kernels else None,
-                              keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES)
+                              keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES,
+                              pack_weights=config.kernels)
         block_size = config.cache.block_size
         block_bytes = kv_bytes_per_block(self.model_config, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_memory_gb * 2**30 // block_bytes))

@@ -23,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "linear_bf16.c", "copy_rows.c")
+SOURCES = ("paged_attention.c", "linear_bf16.c", "gemm_packed.c", "copy_rows.c")
 HEADERS = ("vec8.h",)
 # Limits compiled into paged_attention.c (stack buffers); other shapes use the PyTorch path.
 MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
@@ -91,6 +91,10 @@ def cpu_kernels() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                    ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    fn = lib.kvbaton_gemm_packed
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -165,6 +169,57 @@ class SmallBatchLinear:
 def small_batch_linear() -> SmallBatchLinear | None:
     lib = cpu_kernels()
     return None if lib is None else SmallBatchLinear(lib, torch.get_num_threads())
+
+
+PANEL = 16  # output columns per packed weight panel (gemm_packed.c's NR)
+# bf16 panels store columns in this order (see gemm_packed.c: one load, two in-lane interleaves)
+BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
+class PackedLinear:
+    """A linear layer's weights packed once for `kvbaton_gemm_packed`; calling it computes x W^T + b.
+
+    Any number of rows; meant for many (prefill chunks, batched decodes), where it beats PyTorch's
+    fp32 GEMM by not re-packing the weights on every call."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed_dtype: torch.dtype) -> None:
+        if packed_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"weights can be packed as bfloat16 or float32, not {packed_dtype}")
+        self._fn = lib.kvbaton_gemm_packed
+        self.num_threads = num_threads
+        self.out_features, self.in_features = n, k = weight.shape
+        panels = -(-n // PANEL)
+        padded = torch.zeros(panels * PANEL, k, dtype=packed_dtype)
+        padded[:n] = weight.detach()
+        packed = padded.view(panels, PANEL, k).transpose(1, 2)  # [panels, K, 16]
+        if packed_dtype == torch.bfloat16:
+            packed = packed[..., list(BF16_PANEL_ORDER)]
+        self.weight = packed.contiguous()
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(panels * PANEL, dtype=torch.float32)
+            self.bias[:n] = bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] (bf16 or fp32) -> [..., N] in x's dtype, accumulated in fp32."""
+        k, n = self.in_features, self.out_features
+        x32 = x.reshape(-1, k).to(torch.float32).contiguous()
+        out_bf16 = x.dtype == torch.bfloat16
+        y = torch.empty(x32.shape[0], n, dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        rc = self._fn(x32.data_ptr(), self.weight.data_ptr(), self.weight.element_size(),
+                      0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), int(out_bf16),
+                      x32.shape[0], n, k, self.num_threads)
+        if rc != 0:
+            raise ValueError(f"packed linear kernel: unsupported shape x {tuple(x.shape)}, w {(n, k)}")
+        y = y.view(*x.shape[:-1], n)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed_dtype: torch.dtype) -> PackedLinear | None:
+    """`weight` [N, K] packed for the many-row kernel, or None without the kernels."""
+    lib = cpu_kernels()
+    return None if lib is None else PackedLinear(lib, torch.get_num_threads(), weight, bias, packed_dtype)
 
 
 def copy_rows_kernel():

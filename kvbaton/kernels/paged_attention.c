@@ -27,22 +27,39 @@
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
 #define MAX_KV_ROW 1024 /* num_kv_heads * head_dim */
-#define TILE 16          /* tokens converted and scored together */
+#define TILE 16          /* tokens converted and scored together (a multiple of 8) */
 #define MIN_PARTITION_BLOCKS 8
+#define PF 32
 
-/* q . k for four keys at once: four independent FMA chains hide the FMA latency that a single
- * dot product of 64-128 elements would wait on. d is a multiple of 8. */
-static inline void dot4(const float *q, const float *k0, const float *k1, const float *k2, const float *k3, int d,
-                        float *out) {
-    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+
+
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+/* Pairwise sums within 128-bit lanes (x86's haddps): [a0+a1, a2+a3, b0+b1, b2+b3 | same for the high lane]. */
+static inline f32x8 hadd(f32x8 a, f32x8 b) {
+    return __builtin_shuffle(a, b, (i32x8){0, 2, 8, 10, 4, 6, 12, 14})
+           + __builtin_shuffle(a, b, (i32x8){1, 3, 9, 11, 5, 7, 13, 15});
+}
+
+/* q . k for eight keys at once (rows `stride` floats apart), returned as one vector. Eight
+ * independent FMA chains hide the FMA latency, and the eight horizontal sums are done together
+ * in a transpose-like tree (21 shuffles and adds instead of ~56 for eight separate sums). */
+static inline f32x8 dot8(const float *q, const float *k, int stride, int d) {
+    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
     for (int i = 0; i < d; i += 8) {
         const f32x8 qv = load8(q + i);
-        a0 += qv * load8(k0 + i);
-        a1 += qv * load8(k1 + i);
-        a2 += qv * load8(k2 + i);
-        a3 += qv * load8(k3 + i);
+        a0 += qv * load8(k + i);
+        a1 += qv * load8(k + stride + i);
+        a2 += qv * load8(k + 2 * stride + i);
+        a3 += qv * load8(k + 3 * stride + i);
+        a4 += qv * load8(k + 4 * stride + i);
+        a5 += qv * load8(k + 5 * stride + i);
+        a6 += qv * load8(k + 6 * stride + i);
+        a7 += qv * load8(k + 7 * stride + i);
     }
-    out[0] = hsum8(a0), out[1] = hsum8(a1), out[2] = hsum8(a2), out[3] = hsum8(a3);
+    const f32x8 lo = hadd(hadd(a0, a1), hadd(a2, a3)), hi = hadd(hadd(a4, a5), hadd(a6, a7));
+    return __builtin_shuffle(lo, hi, (i32x8){0, 1, 2, 3, 8, 9, 10, 11})
+           + __builtin_shuffle(lo, hi, (i32x8){4, 5, 6, 7, 12, 13, 14, 15});
 }
 
 static inline float bf16_to_f32(uint16_t x) {
@@ -69,22 +86,36 @@ typedef struct {
     float scale;
 } Shape;
 
+/* Ask for the K/V of the next tile while this one is computed: blocks sit at random places in
+ * the pool, so the hardware prefetcher only catches up halfway through each block. */
+static inline void prefetch_tokens(const Shape *s, const int64_t *blocks, int64_t pos, int64_t end) {
+    const int64_t slot = blocks[pos / s->block_size] * s->block_size + pos % s->block_size;
+    int64_t n = s->block_size - pos % s->block_size;
+    if (n > TILE) n = TILE;
+    if (n > end - pos) n = end - pos;
+    const size_t token_bytes = 2 * (size_t)s->num_kv_heads * s->head_dim * s->elem_bytes;
+    const char *first = (const char *)s->kv + slot * token_bytes;
+    for (size_t off = 0; off < n * token_bytes; off += 64) __builtin_prefetch(first + off);
+}
+
 /* Attend all H query heads of one request over tokens [start, end) of its context.
- * Writes the unnormalized output [H, D] plus each head's running max and sum. */
+ * Writes the unnormalized output [H, D] plus each head's running max and sum.
+ * NOTE: the fp32 tiles are packed (row stride = one token's K or V, not a compile-time
+ * maximum): rows 4 KiB apart all map to the same L1 sets and evict each other. */
 static void attend_range(const Shape *s, const float *q, const int64_t *blocks, int64_t start, int64_t end,
                          float *acc_out, float *max_out, float *sum_out) {
     const int num_heads = s->num_kv_heads * s->group, d = s->head_dim;
     const int kv_row = s->num_kv_heads * d;  /* K (or V) of all heads of one token */
     const int64_t token_stride = 2 * (int64_t)kv_row;
-    float qs[MAX_HEADS][MAX_HEAD_DIM];
-    float scores[MAX_HEADS][TILE + 3];
-    float tile[TILE + 3][MAX_KV_ROW];  /* K, then V, of up to TILE tokens, all KV heads, as fp32 */
-    float running_max[MAX_HEADS], running_sum[MAX_HEADS];
+    float qs[MAX_HEADS * MAX_HEAD_DIM];
+    float scores[MAX_HEADS][TILE];
+    float keys[TILE * MAX_KV_ROW], values[TILE * MAX_KV_ROW];
+    float running_max[MAX_HEADS], running_sum[MAX_HEADS], correction[MAX_HEADS];
 
     for (int h = 0; h < num_heads; h++) {
 #pragma omp simd
         for (int i = 0; i < d; i++) {
-            qs[h][i] = q[h * d + i] * s->scale;
+            qs[h * d + i] = q[h * d + i] * s->scale;
             acc_out[h * d + i] = 0.0f;
         }
         running_max[h] = -FLT_MAX;
@@ -95,42 +126,43 @@ static void attend_range(const Shape *s, const float *q, const int64_t *blocks, 
         const int offset = (int)(pos % s->block_size);
         int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
         if (n > TILE) n = TILE;
+        const int padded = (n + 7) & ~7;
         const int64_t first_slot = block * s->block_size + offset;
-        float block_max[MAX_HEADS];
-        for (int h = 0; h < num_heads; h++) block_max[h] = -FLT_MAX;
-        for (int t = 0; t < n; t++) load_row(s->kv, (first_slot + t) * token_stride, s->elem_bytes, kv_row, tile[t]);
-        for (int t = n; t < ((n + 3) & ~3); t++) memset(tile[t], 0, sizeof(float) * kv_row);  /* dot4 padding */
-        for (int h = 0; h < num_heads; h++) {
-            const int k_off = (h / s->group) * d;
-            for (int t = 0; t < n; t += 4)
-                dot4(qs[h], tile[t] + k_off, tile[t + 1] + k_off, tile[t + 2] + k_off, tile[t + 3] + k_off, d,
-                     &scores[h][t]);
-            for (int t = 0; t < n; t++)
-                if (scores[h][t] > block_max[h]) block_max[h] = scores[h][t];
+        if (pos + n + PF < end) prefetch_tokens(s, blocks, pos + n + PF, end);
+        for (int t = 0; t < n; t++) {
+            load_row(s->kv, (first_slot + t) * token_stride, s->elem_bytes, kv_row, keys + t * kv_row);
+            load_row(s->kv, (first_slot + t) * token_stride + kv_row, s->elem_bytes, kv_row, values + t * kv_row);
         }
+        if (padded > n) memset(keys + n * kv_row, 0, sizeof(float) * (size_t)(padded - n) * kv_row);
         for (int h = 0; h < num_heads; h++) {
-            const float new_max = block_max[h] > running_max[h] ? block_max[h] : running_max[h];
-            const float correction = expf(running_max[h] - new_max);  /* 0 on the first block */
-            float *acc = acc_out + h * d;
-#pragma omp simd
-            for (int i = 0; i < d; i++) acc[i] *= correction;
+            const float *k = keys + (h / s->group) * d;
+            for (int t = 0; t < padded; t += 8) {
+                const f32x8 sc = dot8(qs + h * d, k + t * kv_row, kv_row, d);
+                memcpy(&scores[h][t], &sc, sizeof sc);
+            }
+            float block_max = -FLT_MAX;
+            for (int t = 0; t < n; t++)
+                if (scores[h][t] > block_max) block_max = scores[h][t];
+            const float new_max = block_max > running_max[h] ? block_max : running_max[h];
+            correction[h] = expf(running_max[h] - new_max);  /* 0 on the first block */
             float block_sum = 0.0f;
 #pragma omp simd reduction(+ : block_sum)
             for (int t = 0; t < n; t++) {
                 scores[h][t] = expf(scores[h][t] - new_max);
                 block_sum += scores[h][t];
             }
-            running_sum[h] = running_sum[h] * correction + block_sum;
+            running_sum[h] = running_sum[h] * correction[h] + block_sum;
             running_max[h] = new_max;
         }
-        for (int t = 0; t < n; t++) load_row(s->kv, (first_slot + t) * token_stride + kv_row, s->elem_bytes, kv_row, tile[t]);
-        for (int t = 0; t < n; t++) {
-            for (int h = 0; h < num_heads; h++) {
-                const float *v = tile[t] + (h / s->group) * d;
-                const float p = scores[h][t];
-                float *acc = acc_out + h * d;
-#pragma omp simd
-                for (int i = 0; i < d; i++) acc[i] += p * v[i];
+        /* acc = acc * correction + sum_t p_t v_t, one 8-float chunk at a time so the partial
+         * sum stays in a register across the tile's tokens. */
+        for (int h = 0; h < num_heads; h++) {
+            const float *v = values + (h / s->group) * d;
+            float *acc = acc_out + h * d;
+            for (int i = 0; i < d; i += 8) {
+                f32x8 a = load8(acc + i) * correction[h];
+                for (int t = 0; t < n; t++) a += scores[h][t] * load8(v + t * kv_row + i);
+                memcpy(acc + i, &a, sizeof a);
             }
         }
         pos += n;

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from helpers import TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
-from kvbaton.kernels import cpu_kernels, paged_decode_kernel, small_batch_linear
+from kvbaton.kernels import cpu_kernels, pack_linear, paged_decode_kernel, small_batch_linear
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"
@@ -105,6 +105,34 @@ def test_bf16_engine_kernels_agree_with_pytorch_path(tiny_models):
     for (tok_k, lp_k), (tok_t, lp_t) in zip(results[True], results[False]):
         assert tok_k == tok_t
         assert max(abs(a - b) for a, b in zip(lp_k, lp_t)) < 0.1
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64, 300])
+@pytest.mark.parametrize("packed_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_fp32(rows, packed_dtype, bias):
+    """Every register-tile height (rows mod 6), a last panel of 7 columns (N = 103), K not a
+    multiple of 8, both packings: fp32 inputs give the fp32 product, bf16 inputs its rounding."""
+    torch.manual_seed(rows)
+    weight, b = torch.randn(103, 75).bfloat16(), (torch.randn(103).bfloat16() if bias else None)
+    packed = pack_linear(weight, b, packed_dtype)
+    x = torch.randn(rows, 75)
+    ref = F.linear(x, weight.float(), None if b is None else b.float())
+    out = packed(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 103)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
+    out16 = packed(x.bfloat16().view(1, rows, 75))  # leading dims kept, bf16 in -> bf16 out
+    ref16 = F.linear(x.bfloat16().float(), weight.float(), None if b is None else b.float())
+    assert out16.dtype == torch.bfloat16 and out16.shape == (1, rows, 103)
+    # NOTE: the fp32 sums differ from PyTorch's in order only, so the roundings agree within one bf16 step.
+    torch.testing.assert_close(out16[0].float(), ref16, atol=1e-4, rtol=2**-7)
+
+
+def test_bf16_engine_uses_packed_weights(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
+    linears = [m for m in llm.engine.core.runner.model.modules() if hasattr(m, "packed")]
+    assert linears and all(m.packed is not None and m.fp32_weight is None for m in linears)
+    assert LLM(str(tiny_models["llama"]), dtype="bfloat16", kernels=False).engine.core.runner.model.lm_head.packed is None
 
 
 def test_copy_rows_scatters_whole_rows():
