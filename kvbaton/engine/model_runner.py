@@ -11,7 +11,7 @@ import torch
 
 from kvbaton.config import ModelConfig
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
-from kvbaton.kernels import paged_decode_kernel
+from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.layers.sampler import SamplingRow, sample
@@ -61,8 +61,9 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, kv_allocator)
         cfg = model.config
-        self.decode_kernel = (paged_decode_kernel(dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-                              if use_kernels else None)
+        shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.decode_kernel = paged_decode_kernel(dtype, *shape) if use_kernels else None
+        self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if use_kernels else None
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
         self.kv_sender: KVSender | None = None  # prefill role: set by the worker
@@ -127,7 +128,7 @@ class ModelRunner:
         ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
         sample_rows = [i for i, s in enumerate(ordered) if s.sample]
         meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_lens, decode_mask,
-                                 tuple(spans), self.decode_kernel)
+                                 tuple(spans), self.decode_kernel, self.prefill_kernel)
         return StepInputs(input_ids, positions, meta, ends[sample_rows], [ordered[i] for i in sample_rows])
 
     def _block_table(self, block_ids: list[int]) -> torch.Tensor:
@@ -158,9 +159,12 @@ class ModelRunner:
         return -(-num_tokens // self.block_size)
 
     def _prefill_span(self, s: ScheduledRequest, query_start: int) -> PrefillSpan:
+        context_len = s.start_position + s.num_tokens
+        if self.prefill_kernel is not None:  # reads all K/V through the block table; causal by position
+            blocks = self._block_table(s.block_ids[: self._num_blocks(context_len)])
+            return PrefillSpan(query_start, s.num_tokens, blocks, context_len, None)
         if s.start_position == 0:
             return PrefillSpan(query_start, s.num_tokens, None, s.num_tokens, None)
-        context_len = s.start_position + s.num_tokens
         q_pos = torch.arange(s.start_position, context_len).unsqueeze(1)  # [Lq, 1]
         mask = torch.arange(context_len).unsqueeze(0) <= q_pos  # [Lq, L] bottom-right causal
         blocks = self._block_table(s.block_ids[: self._num_blocks(context_len)])

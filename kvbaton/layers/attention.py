@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbaton.kernels import PagedDecodeKernel
+from kvbaton.kernels import PagedDecodeKernel, PagedPrefillKernel
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class PrefillSpan:
 
     query_start: int
     query_len: int
-    context_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None: no prior context
+    context_blocks: torch.Tensor | None  # [nb] blocks holding the whole context; None: no prior context (PyTorch path)
     context_len: int
     mask: torch.Tensor | None  # [Lq, L] bool, bottom-right causal; None: plain causal
 
@@ -45,6 +45,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, nb * block_size] additive: 0 attended, -inf not; PyTorch path only
     prefills: tuple[PrefillSpan, ...]
     decode_kernel: PagedDecodeKernel | None = None  # the C kernel; None: batched matmuls
+    prefill_kernel: PagedPrefillKernel | None = None  # the C kernel (spans always carry blocks); None: SDPA
     # Called with a layer's index once its K/V are in the pool (layer-wise KV transfer).
     after_layer: Callable[[int], None] | None = None
 
@@ -67,13 +68,13 @@ class PagedAttention(torch.nn.Module):
         if not meta.prefills:
             return self._decode(q, kv_cache, meta)
         if not meta.num_decodes and len(meta.prefills) == 1:
-            return self._prefill(q, kv, kv_cache, meta.prefills[0], meta.block_size)
+            return self._prefill(q, kv, kv_cache, meta.prefills[0], meta.block_size, meta.prefill_kernel)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], kv_cache, meta)
         for span in meta.prefills:
             rows = slice(span.query_start, span.query_start + span.query_len)
-            out[rows] = self._prefill(q[rows], kv[rows], kv_cache, span, meta.block_size)
+            out[rows] = self._prefill(q[rows], kv[rows], kv_cache, span, meta.block_size, meta.prefill_kernel)
         return out
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -97,7 +98,9 @@ class PagedAttention(torch.nn.Module):
         return torch.matmul(probs, values).view(batch, self.num_heads, self.head_dim)
 
     def _prefill(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
-                 block_size: int) -> torch.Tensor:
+                 block_size: int, kernel: PagedPrefillKernel | None) -> torch.Tensor:
+        if kernel is not None:  # causal by position, K/V read from the pool like the decode kernel
+            return kernel(q, kv_cache, span.context_blocks, span.context_len - span.query_len, block_size, self.scale)
         if span.context_blocks is not None:
             kv = self._gather(kv_cache, span.context_blocks, block_size)[: span.context_len]  # [L, 2, Hkv, D]
         k, v = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [Hkv, L, D]

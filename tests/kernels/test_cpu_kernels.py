@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from helpers import TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
-from kvbaton.kernels import cpu_kernels, pack_linear, paged_decode_kernel, small_batch_linear
+from kvbaton.kernels import (cpu_kernels, pack_linear, paged_decode_kernel, paged_prefill_kernel,
+                             small_batch_linear)
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"
@@ -59,6 +60,29 @@ def test_paged_decode_unsupported_shapes_fall_back():
     assert paged_decode_kernel(torch.float16, 8, 2, 64) is None
     assert paged_decode_kernel(torch.float32, 8, 2, 60) is None  # head_dim not a multiple of 8
     assert paged_decode_kernel(torch.float32, 128, 2, 64) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 4), (16, 1, 8, 8)])
+@pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 37), (13, 1), (13, 50), (64, 16)])
+def test_paged_prefill_matches_fp32_reference(dtype, heads, kv_heads, head_dim, block_size, start, tokens):
+    """A chunk of `tokens` queries at positions [start, start + tokens), causal over everything
+    before it in the pool: from scratch, single tokens, and chunks after earlier context."""
+    torch.manual_seed(start + tokens)
+    context = start + tokens
+    num_blocks = -(-context // block_size)
+    pool = torch.randn(64 * block_size, 2, kv_heads, head_dim).to(dtype)
+    blocks = torch.randperm(64)[:num_blocks].contiguous()  # scattered in the pool
+    q = torch.randn(tokens, heads, head_dim).to(dtype)
+    out = paged_prefill_kernel(dtype, heads, kv_heads, head_dim)(q, pool, blocks, start, block_size, head_dim**-0.5)
+    slots = torch.tensor([int(blocks[p // block_size]) * block_size + p % block_size for p in range(context)])
+    k, v = (pool[slots, i].float().transpose(0, 1)[None] for i in (0, 1))  # [1, Hkv, L, D]
+    visible = torch.arange(context)[None] <= torch.arange(start, context)[:, None]  # [T, L]
+    ref = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k, v, attn_mask=visible,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2,
+                               rtol=1e-4 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
