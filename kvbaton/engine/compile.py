@@ -17,4 +17,5 @@ def compile_model(runner: ModelRunner) -> None:
         # NOTE: a compiled graph cannot call the ctypes kernels; inside it, inductor's own code runs.
         for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
             linear.small_batch_kernel = linear.packed = None
+        layer.mlp.fused_gate_up = None
         layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=True, fullgraph=True)

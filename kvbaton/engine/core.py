@@ -18,8 +18,7 @@ from kvbaton.engine.outputs import EngineCoreOutput
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.scheduler import Scheduler
-from kvbaton.kernels import small_batch_linear
-from kvbaton.layers.linear import set_compute_paths
+from kvbaton.layers.compute_paths import set_compute_paths
 from kvbaton.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -112,9 +111,8 @@ class EngineCore:
         if self.dtype == torch.bfloat16 and not has_native_bf16():
             # NOTE: emulated bf16: many rows compute in fp32, a few rows stream bf16 weights in C.
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            set_compute_paths(model, UPCAST_MIN_ROWS, small_batch_linear() if config.kernels else None,
-                              keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES,
-                              pack_weights=config.kernels)
+            set_compute_paths(model, UPCAST_MIN_ROWS, config.kernels,
+                              keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES)
         block_size = config.cache.block_size
         block_bytes = kv_bytes_per_block(self.model_config, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_memory_gb * 2**30 // block_bytes))

@@ -12,6 +12,7 @@
  * packed copy costs the same memory as the original weights. The output is fp32, or bf16
  * rounded to nearest-even (what `tensor.to(torch.bfloat16)` does).
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -43,28 +44,37 @@ static inline void load_weights(const void *p, int64_t index, const int bf16, f3
     }
 }
 
+enum { OUT_F32, OUT_BF16, OUT_SILU_MUL };
+
 static inline void store_row(f32x8 lo, f32x8 hi, const float *bias, void *y, int64_t index, int cols,
-                             const int out_bf16) {
+                             const int mode) {
     if (bias) lo += load8(bias), hi += load8(bias + 8);
     float vals[NR];
     memcpy(vals, &lo, sizeof lo);
     memcpy(vals + 8, &hi, sizeof hi);
-    if (out_bf16) {
+    if (mode == OUT_SILU_MUL) {
+        /* lo: 8 gate columns, hi: the matching up columns -> silu(gate) * up, rounded to bf16 after
+         * each op as PyTorch's bf16 silu and mul do. */
         uint16_t *out = (uint16_t *)y + index;
-        for (int c = 0; c < cols; c++) {
-            uint32_t bits;
-            memcpy(&bits, &vals[c], sizeof bits);
-            out[c] = (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);  /* round to nearest even */
+        float act[8];
+#pragma omp simd
+        for (int c = 0; c < 8; c++) {
+            const float g = round_bf16(vals[c]);
+            act[c] = round_bf16(g / (1.0f + expf(-g))) * round_bf16(vals[8 + c]);
         }
+        for (int c = 0; c < 8; c++) out[c] = f32_to_bf16(act[c]);
+    } else if (mode == OUT_BF16) {
+        uint16_t *out = (uint16_t *)y + index;
+        for (int c = 0; c < cols; c++) out[c] = f32_to_bf16(vals[c]);
     } else {
         memcpy((float *)y + index, vals, sizeof(float) * (size_t)cols);
     }
 }
 
-/* rows x 16 outputs over the whole K; `rows` and the two flags are constants after inlining. */
+/* rows x 16 outputs over the whole K; `rows`, `bf16` and `mode` are constants after inlining. */
 static inline __attribute__((always_inline)) void tile(const float *x, int64_t k, const void *panel, const int rows,
                                                         const int bf16, const float *bias, void *y, int64_t ldy,
-                                                        int cols, const int out_bf16) {
+                                                        int cols, const int mode) {
     f32x8 acc[MR][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = (f32x8){0};
     for (int64_t kk = 0; kk < k; kk++) {
@@ -76,39 +86,47 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t k
             acc[r][1] += w1 * xv;
         }
     }
-    for (int r = 0; r < rows; r++) store_row(acc[r][0], acc[r][1], bias, y, r * ldy, cols, out_bf16);
+    for (int r = 0; r < rows; r++) store_row(acc[r][0], acc[r][1], bias, y, r * ldy, cols, mode);
 }
 
-#define TILE_CASE(R, BF16, OUT_BF16) \
+/* NOTE: every (rows, weight dtype, output mode) combination is its own fully unrolled instance. */
+#define TILE_CASE(R, BF16, MODE) \
     case R: \
-        tile(x, k, panel, R, BF16, bias, y, ldy, cols, OUT_BF16); \
-        break;
+        tile(x, k, panel, R, BF16, bias, y, ldy, cols, MODE); \
+        return;
+#define TILE_ROWS(BF16, MODE) \
+    switch (rows) { TILE_CASE(1, BF16, MODE) TILE_CASE(2, BF16, MODE) TILE_CASE(3, BF16, MODE) \
+                    TILE_CASE(4, BF16, MODE) TILE_CASE(5, BF16, MODE) TILE_CASE(6, BF16, MODE) }
 
 static void tile_any(const float *x, int64_t k, const void *panel, int rows, const float *bias, void *y,
-                     int64_t ldy, int cols, int bf16, int out_bf16) {
-    /* NOTE: every (rows, dtype) combination is its own fully unrolled instance. */
-    if (bf16 && out_bf16) {
-        switch (rows) { TILE_CASE(1, 1, 1) TILE_CASE(2, 1, 1) TILE_CASE(3, 1, 1) TILE_CASE(4, 1, 1) TILE_CASE(5, 1, 1) TILE_CASE(6, 1, 1) }
-    } else if (bf16) {
-        switch (rows) { TILE_CASE(1, 1, 0) TILE_CASE(2, 1, 0) TILE_CASE(3, 1, 0) TILE_CASE(4, 1, 0) TILE_CASE(5, 1, 0) TILE_CASE(6, 1, 0) }
-    } else if (out_bf16) {
-        switch (rows) { TILE_CASE(1, 0, 1) TILE_CASE(2, 0, 1) TILE_CASE(3, 0, 1) TILE_CASE(4, 0, 1) TILE_CASE(5, 0, 1) TILE_CASE(6, 0, 1) }
+                     int64_t ldy, int cols, int bf16, int mode) {
+    if (bf16) {
+        if (mode == OUT_F32) TILE_ROWS(1, OUT_F32)
+        else if (mode == OUT_BF16) TILE_ROWS(1, OUT_BF16)
+        else TILE_ROWS(1, OUT_SILU_MUL)
     } else {
-        switch (rows) { TILE_CASE(1, 0, 0) TILE_CASE(2, 0, 0) TILE_CASE(3, 0, 0) TILE_CASE(4, 0, 0) TILE_CASE(5, 0, 0) TILE_CASE(6, 0, 0) }
+        if (mode == OUT_F32) TILE_ROWS(0, OUT_F32)
+        else if (mode == OUT_BF16) TILE_ROWS(0, OUT_BF16)
+        else TILE_ROWS(0, OUT_SILU_MUL)
     }
 }
 
 /* x: [M, K] fp32 (contiguous); packed: [ceil(N/16), K, 16] with `weight_bytes` 2 (bf16) or 4;
- * bias: [ceil(N/16) * 16] fp32 (zero-padded) or NULL; y: [M, N], fp32 or (out_bf16) bf16.
- * Returns 0, or -1 for arguments it does not handle. */
+ * bias: [ceil(N/16) * 16] fp32 (zero-padded) or NULL. mode OUT_F32 / OUT_BF16: y = [M, N] fp32 / bf16;
+ * OUT_SILU_MUL: each panel holds 8 gate columns then their 8 up columns (N a multiple of 16) and
+ * y = silu(gate) * up, [M, N / 2] bf16. Returns 0, or -1 for arguments it does not handle. */
 int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, const float *bias, void *y,
-                        int out_bf16, int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (m < 1 || n < 1 || k < 1 || (weight_bytes != 2 && weight_bytes != 4)) return -1;
+                        int mode, int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (m < 1 || n < 1 || k < 1 || (weight_bytes != 2 && weight_bytes != 4) || mode < OUT_F32 || mode > OUT_SILU_MUL
+        || (mode == OUT_SILU_MUL && n % NR))
+        return -1;
     const int bf16 = weight_bytes == 2;
     const int64_t panels = (n + NR - 1) / NR;
     int64_t block_rows = L2_X_BYTES / (k * (int64_t)sizeof(float)) / MR * MR;
     if (block_rows < MR) block_rows = MR;
-    const size_t out_bytes = out_bf16 ? 2 : 4;
+    const size_t out_bytes = mode == OUT_F32 ? 4 : 2;
+    /* a panel's outputs start at column p * 16 of y (p * 8 when each panel yields 8 gated values) */
+    const int64_t ldy = mode == OUT_SILU_MUL ? n / 2 : n, panel_cols = mode == OUT_SILU_MUL ? NR / 2 : NR;
 #pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
         const int64_t m1 = m0 + block_rows < m ? m0 + block_rows : m;
@@ -119,8 +137,8 @@ int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, co
             const float *b = bias ? bias + p * NR : NULL;
             for (int64_t r = m0; r < m1; r += MR) {
                 const int rows = m1 - r < MR ? (int)(m1 - r) : MR;
-                tile_any(x + r * k, k, panel, rows, b, (char *)y + ((size_t)r * n + p * NR) * out_bytes, n, cols,
-                         bf16, out_bf16);
+                tile_any(x + r * k, k, panel, rows, b, (char *)y + ((size_t)r * ldy + p * panel_cols) * out_bytes, ldy,
+                         cols, bf16, mode);
             }
         }
     }

@@ -77,4 +77,18 @@ static inline void load_row(const void *base, int64_t index, int elem_bytes, int
     }
 }
 
+/* fp32 -> bf16, round to nearest even (what `tensor.to(torch.bfloat16)` does for finite values). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) {
+    const uint32_t bits = (uint32_t)f32_to_bf16(f) << 16;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
 #endif

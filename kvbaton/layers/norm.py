@@ -6,8 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvbaton.kernels import AddRMSNorm
+
 
 class RMSNorm(nn.Module):
+    kernel: AddRMSNorm | None = None  # C residual-add + norm for bf16 activations (set_compute_paths)
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -18,3 +22,12 @@ class RMSNorm(nn.Module):
         # normalized bf16 activations before scaling; the fused kernel scales first, which can
         # differ in the last bf16 bit (float32 runs, the parity oracle, are unaffected).
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`; the first layer has no residual yet: `(norm(x), x)`."""
+        kernel = self.kernel
+        if kernel is not None and kernel.handles(x, self.weight):
+            return kernel(x, residual, self.weight, self.eps)  # one pass, HF's roundings
+        if residual is not None:
+            x = x + residual
+        return self(x), x

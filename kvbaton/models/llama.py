@@ -7,12 +7,12 @@ readable module covers all three, switched by `ModelConfig` flags.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvbaton.config import ModelConfig
 from kvbaton.layers.attention import AttentionMetadata, PagedAttention
 from kvbaton.layers.linear import Linear
+from kvbaton.layers.mlp import MLP
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding
 
@@ -48,18 +48,6 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
@@ -68,9 +56,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the adds are fused
+        into the norms); returns this layer's output and the residual stream before it."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(cos_sin, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,9 +83,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
         cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
+        residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(cos_sin, x, kv_cache, meta)
+            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
             if meta.after_layer is not None:
                 meta.after_layer(i)
-        x = self.norm(x[logits_indices])  # [S, E]: only rows that are sampled
+        x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
         return self.lm_head(x).float()  # [S, V]

@@ -11,8 +11,15 @@ import torch.nn.functional as F
 from helpers import TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
-from kvbaton.kernels import (cpu_kernels, pack_linear, paged_decode_kernel, paged_prefill_kernel,
-                             small_batch_linear)
+from kvbaton.kernels import (
+    add_rms_norm_kernel,
+    cpu_kernels,
+    pack_linear,
+    paged_decode_kernel,
+    paged_prefill_kernel,
+    small_batch_linear,
+)
+from kvbaton.layers.linear import Linear
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"
@@ -63,7 +70,8 @@ def test_paged_decode_unsupported_shapes_fall_back():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 4), (16, 1, 8, 8)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 32, 4), (16, 1, 8, 8)])
 @pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 37), (13, 1), (13, 50), (64, 16)])
 def test_paged_prefill_matches_fp32_reference(dtype, heads, kv_heads, head_dim, block_size, start, tokens):
     """A chunk of `tokens` queries at positions [start, start + tokens), causal over everything
@@ -152,11 +160,45 @@ def test_packed_linear_matches_fp32(rows, packed_dtype, bias):
     torch.testing.assert_close(out16[0].float(), ref16, atol=1e-4, rtol=2**-7)
 
 
+@pytest.mark.parametrize("packed_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_gated_packed_linear_is_silu_gate_times_up(packed_dtype, rows):
+    """silu(gate) * up in the GEMM's epilogue, rounded like PyTorch's bf16 ops: same values as the
+    unfused ops, within one bf16 step where the fp32 sums round differently."""
+    torch.manual_seed(rows)
+    intermediate, k = 24, 40
+    weight, x = torch.randn(2 * intermediate, k).bfloat16(), torch.randn(rows, k).bfloat16()
+    out = pack_linear(weight, None, packed_dtype, gated=True)(x)
+    gate, up = F.linear(x.float(), weight.float()).bfloat16().split(intermediate, dim=-1)
+    ref = F.silu(gate) * up
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, intermediate)
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-3, rtol=2**-7)
+    assert (out == ref).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_rounds_like_hf(with_residual):
+    """HF's LlamaRMSNorm on bf16: fp32 normalization, rounded to bf16, times the bf16 weight."""
+    torch.manual_seed(3)
+    x, delta, weight = torch.randn(37, 96).bfloat16(), torch.randn(37, 96).bfloat16(), torch.randn(96).bfloat16()
+    out, residual = add_rms_norm_kernel()(x, delta if with_residual else None, weight, 1e-5)
+    expected_residual = x + delta if with_residual else x
+    assert torch.equal(residual, expected_residual)
+    h = expected_residual.float()
+    ref = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    torch.testing.assert_close(out.float(), ref.float(), atol=1e-3, rtol=2**-7)
+    assert (out == ref).float().mean() > 0.98
+
+
 def test_bf16_engine_uses_packed_weights(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
-    linears = [m for m in llm.engine.core.runner.model.modules() if hasattr(m, "packed")]
-    assert linears and all(m.packed is not None and m.fp32_weight is None for m in linears)
-    assert LLM(str(tiny_models["llama"]), dtype="bfloat16", kernels=False).engine.core.runner.model.lm_head.packed is None
+    model = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8).engine.core.runner.model
+    mlps = [layer.mlp for layer in model.layers]
+    assert all(m.fused_gate_up is not None and m.gate_up_proj.packed is None for m in mlps)
+    others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not p.gate_up_proj for p in mlps)]
+    assert others and all(m.packed is not None and m.fp32_weight is None for m in others)
+    assert model.norm.kernel is not None
+    plain = LLM(str(tiny_models["llama"]), dtype="bfloat16", kernels=False).engine.core.runner.model
+    assert plain.lm_head.packed is None and plain.layers[0].mlp.fused_gate_up is None and plain.norm.kernel is None
 
 
 def test_copy_rows_scatters_whole_rows():

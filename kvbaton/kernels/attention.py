@@ -1,0 +1,86 @@
+"""Paged attention kernels (decode: one query per request; prefill: a chunk of one request)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvbaton.kernels.build import cpu_kernels
+
+# Limits compiled into paged_attention.c / paged_prefill.c (stack buffers); other shapes use PyTorch.
+MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
+MAX_PREFILL_GROUP = 64  # query heads per KV head (paged_prefill.c's MAX_ROWS)
+
+
+class PagedDecodeKernel:
+    """`kvbaton_paged_decode_attention` with tensors in and out: one query token per request."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
+        self._fn = lib.kvbaton_paged_decode_attention
+        self.num_threads = num_threads
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+        """q: [B, H, D]; kv_cache: [slots, 2, Hkv, D]; block_table: [B, nb] int64 (contiguous);
+        context_lens: [B] int64 -> [B, H, D] in q's dtype."""
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[2]
+        q32 = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q32)
+        rc = self._fn(kv_cache.data_ptr(), kv_cache.element_size(), q32.data_ptr(), out.data_ptr(),
+                      block_table.data_ptr(), context_lens.data_ptr(), batch, block_table.shape[1], block_size,
+                      num_kv_heads, num_heads // num_kv_heads, head_dim, scale, self.num_threads)
+        if rc != 0:
+            raise ValueError(f"paged decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
+                             f"head_dim {head_dim}, block_size {block_size})")
+        return out.to(q.dtype)
+
+
+def paged_decode_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                        head_dim: int) -> PagedDecodeKernel | None:
+    """The C decode kernel when it is built and handles these shapes, else None."""
+    if kv_dtype not in (torch.bfloat16, torch.float32) or num_heads > MAX_HEADS or head_dim > MAX_HEAD_DIM:
+        return None
+    if head_dim % 8 or num_kv_heads * head_dim > MAX_KV_ROW:
+        return None
+    lib = cpu_kernels()
+    if lib is None:
+        return None
+    return PagedDecodeKernel(lib, torch.get_num_threads())
+
+
+class PagedPrefillKernel:
+    """`kvbaton_paged_prefill_attention`: causal attention of one request's prefill chunk, whose
+    K/V (and its earlier context's) are already in the pool."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
+        self._fn = lib.kvbaton_paged_prefill_attention
+        self.num_threads = num_threads
+
+    def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, start_position: int,
+                 block_size: int, scale: float) -> torch.Tensor:
+        """q: [T, H, D] for context positions [start_position, start_position + T); blocks: [nb] int64
+        (contiguous) covering them -> [T, H, D] in q's dtype."""
+        tokens, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[2]
+        q32 = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q32)
+        rc = self._fn(kv_cache.data_ptr(), kv_cache.element_size(), q32.data_ptr(), out.data_ptr(), blocks.data_ptr(),
+                      start_position, tokens, block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale,
+                      self.num_threads)
+        if rc != 0:
+            raise ValueError(f"paged prefill kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
+                             f"head_dim {head_dim})")
+        return out.to(q.dtype)
+
+
+def paged_prefill_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                         head_dim: int) -> PagedPrefillKernel | None:
+    """The C prefill-attention kernel when it is built and handles these shapes, else None."""
+    if kv_dtype not in (torch.bfloat16, torch.float32) or head_dim > MAX_HEAD_DIM or head_dim % 8:
+        return None
+    if num_heads // num_kv_heads > MAX_PREFILL_GROUP:
+        return None
+    lib = cpu_kernels()
+    return None if lib is None else PagedPrefillKernel(lib, torch.get_num_threads())

@@ -1,0 +1,90 @@
+"""Compile kvbaton's C kernels on first use with the system C compiler and load them with ctypes.
+
+They are plain C (no PyTorch headers), so a build takes about a second; the shared object is
+cached under `<cache root>/kernels/`, keyed by the source, the flags and the CPU, because
+`-march=native` code is only valid on the CPU it was built for. Without a compiler, or with
+`KVBATON_KERNELS=0`, `cpu_kernels()` returns None and callers use their PyTorch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c")
+HEADERS = ("vec8.h",)
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# C signatures: name -> (return type, argument types); the sources document each argument.
+SIGNATURES = {
+    "kvbaton_paged_decode_attention": (_i, [_p, _i, _p, _p, _p, _p, _i64, _i64, _i, _i, _i, _i, _f, _i]),
+    "kvbaton_paged_prefill_attention": (_i, [_p, _i, _p, _p, _p, _i64, _i64, _i, _i, _i, _i, _f, _i]),
+    "kvbaton_linear_bf16": (_i, [_p, _p, _p, _p, _i64, _i64, _i64, _i]),
+    "kvbaton_gemm_packed": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i]),
+    "kvbaton_add_rms_norm_bf16": (None, [_p, _p, _p, _p, _p, _i64, _i64, _f, _i]),
+    "kvbaton_copy_rows": (None, [_p, _p, _p, _p, _i64, _i64, _i]),
+}
+
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((ln for ln in info.splitlines() if ln.startswith(("flags", "Features"))), "")
+        model = next((ln for ln in info.splitlines() if ln.startswith("model name")), "")
+        return model + flags
+    except OSError:
+        return platform.processor()
+
+
+def _build(out: Path, compiler: str) -> None:
+    srcs = [str(Path(__file__).with_name(s)) for s in SOURCES]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # NOTE: build into a temp file and rename, so concurrent first uses never load a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, "-o", tmp, *srcs, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def cpu_kernels() -> ctypes.CDLL | None:
+    if os.environ.get("KVBATON_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: using the PyTorch attention path (slower on CPU)")
+        return None
+    from kvbaton.models.registry import cache_root
+
+    digest = hashlib.sha256()
+    for s in (*SOURCES, *HEADERS):
+        digest.update(Path(__file__).with_name(s).read_bytes())
+    digest.update(" ".join(CFLAGS).encode() + compiler.encode() + _cpu_fingerprint().encode())
+    out = cache_root() / "kernels" / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
+    try:
+        if not out.exists():
+            _build(out, compiler)
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building the CPU kernels failed, using the PyTorch path: %s", detail)
+        return None
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

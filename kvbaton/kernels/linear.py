@@ -1,0 +1,112 @@
+"""Linear-layer kernels: a few rows streaming bf16 weights, many rows over pre-packed weights."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvbaton.kernels.build import cpu_kernels
+
+MAX_LINEAR_ROWS = 8  # linear_bf16.c's MAX_ROWS
+
+
+class SmallBatchLinear:
+    """`kvbaton_linear_bf16`: x [M, K] @ bf16 W [N, K]^T for M <= MAX_LINEAR_ROWS rows (decode steps)."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
+        self._fn = lib.kvbaton_linear_bf16
+        self.num_threads = num_threads
+
+    @staticmethod
+    def supports_weight(weight: torch.Tensor) -> bool:
+        """What does not change from step to step: checked once per layer, when paths are chosen."""
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % 8 == 0 and weight.is_contiguous()
+
+    @staticmethod
+    def handles_rows(x: torch.Tensor) -> bool:
+        return 1 <= x.numel() // x.shape[-1] <= MAX_LINEAR_ROWS
+
+    def handles(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return self.supports_weight(weight) and self.handles_rows(x)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, k = weight.shape
+        x32 = x.reshape(-1, k).to(torch.float32).contiguous()
+        y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+        b32 = None if bias is None else bias.to(torch.float32).contiguous()
+        rc = self._fn(x32.data_ptr(), weight.data_ptr(), 0 if b32 is None else b32.data_ptr(), y.data_ptr(),
+                      x32.shape[0], n, k, self.num_threads)
+        if rc != 0:
+            raise ValueError(f"small-batch linear kernel: unsupported shape x {tuple(x.shape)}, w {(n, k)}")
+        return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
+def small_batch_linear() -> SmallBatchLinear | None:
+    lib = cpu_kernels()
+    return None if lib is None else SmallBatchLinear(lib, torch.get_num_threads())
+
+
+PANEL = 16  # output columns per packed weight panel (gemm_packed.c's NR)
+# bf16 panels store columns in this order (see gemm_packed.c: one load, two in-lane interleaves)
+BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+_OUT_F32, _OUT_BF16, _OUT_SILU_MUL = 0, 1, 2  # gemm_packed.c's output modes
+
+
+class PackedLinear:
+    """A linear layer's weights packed once for `kvbaton_gemm_packed`; calling it computes x W^T + b.
+
+    Any number of rows; meant for many (prefill chunks, batched decodes), where it beats PyTorch's
+    fp32 GEMM by not re-packing the weights on every call. `gated=True` (a fused gate/up projection,
+    weight = [gate; up]) returns silu(gate) * up instead, computed in the GEMM's epilogue (bf16 only)."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed_dtype: torch.dtype, gated: bool = False) -> None:
+        if packed_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"weights can be packed as bfloat16 or float32, not {packed_dtype}")
+        n, k = weight.shape
+        if gated and (n % PANEL or bias is not None):
+            raise ValueError(f"a gated projection needs 2 x a multiple of 8 outputs and no bias, got {n}")
+        self._fn = lib.kvbaton_gemm_packed
+        self.num_threads = num_threads
+        self.gated = gated
+        self.in_features, self.out_features = k, n // 2 if gated else n
+        weight = weight.detach()
+        if gated:  # each panel: 8 gate rows, then the 8 up rows of the same outputs
+            half = n // 2
+            weight = torch.stack((weight[:half].view(-1, 8, k), weight[half:].view(-1, 8, k)), dim=1).view(n, k)
+        panels = -(-n // PANEL)
+        padded = torch.zeros(panels * PANEL, k, dtype=packed_dtype)
+        padded[:n] = weight
+        packed = padded.view(panels, PANEL, k).transpose(1, 2)  # [panels, K, 16]
+        if packed_dtype == torch.bfloat16:
+            packed = packed[..., list(BF16_PANEL_ORDER)]
+        self.weight = packed.contiguous()
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(panels * PANEL, dtype=torch.float32)
+            self.bias[:n] = bias.detach().float()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., K] (bf16 or fp32) -> [..., N] in x's dtype, accumulated in fp32."""
+        k, n = self.in_features, self.out_features
+        if self.gated and x.dtype != torch.bfloat16:
+            raise ValueError(f"the gated packed kernel computes bf16 activations, got {x.dtype}")
+        x32 = x.reshape(-1, k).to(torch.float32).contiguous()
+        out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        mode = _OUT_SILU_MUL if self.gated else _OUT_BF16 if out_dtype == torch.bfloat16 else _OUT_F32
+        y = torch.empty(x32.shape[0], n, dtype=out_dtype)
+        rc = self._fn(x32.data_ptr(), self.weight.data_ptr(), self.weight.element_size(),
+                      0 if self.bias is None else self.bias.data_ptr(), y.data_ptr(), mode,
+                      x32.shape[0], self.weight.shape[0] * PANEL if self.gated else n, k, self.num_threads)
+        if rc != 0:
+            raise ValueError(f"packed linear kernel: unsupported shape x {tuple(x.shape)}, w {(n, k)}")
+        y = y.view(*x.shape[:-1], n)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed_dtype: torch.dtype,
+                gated: bool = False) -> PackedLinear | None:
+    """`weight` [N, K] packed for the many-row kernel, or None without the kernels."""
+    lib = cpu_kernels()
+    return None if lib is None else PackedLinear(lib, torch.get_num_threads(), weight, bias, packed_dtype, gated)

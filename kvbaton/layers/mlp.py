@@ -1,0 +1,28 @@
+"""Gated MLP (SwiGLU): down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvbaton.config import ModelConfig
+from kvbaton.kernels import PackedLinear
+from kvbaton.layers.linear import Linear
+
+
+class MLP(nn.Module):
+    # gate_up_proj packed for the C GEMM with silu(gate) * up in its epilogue (set_compute_paths)
+    fused_gate_up: PackedLinear | None = None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up is not None and not self.gate_up_proj.takes_small_batch(x):
+            return self.down_proj(self.fused_gate_up(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
