@@ -10,7 +10,7 @@ from kvbaton.kernels.build import cpu_kernels
 
 # Limits compiled into paged_attention.c / paged_prefill.c (stack buffers); other shapes use PyTorch.
 MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
-MAX_PREFILL_GROUP = 64  # query heads per KV head (paged_prefill.c's MAX_ROWS)
+MAX_PREFILL_GROUP = 48  # query heads per KV head (paged_prefill.c's MAX_ROWS)
 
 
 class PagedDecodeKernel:
