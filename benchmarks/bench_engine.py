@@ -432,9 +432,9 @@ def run_worker(kind: str, args, dtype: str | None = None, compile_: bool = False
     try:
         with MONITOR.window() as window:
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                                  timeout=args.sizes.worker_timeout_s)
+                                  timeout=args.worker_timeout_s)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.sizes.worker_timeout_s}s"}
+        return {"error": f"timed out after {args.worker_timeout_s:.0f}s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if proc.returncode != 0 or not lines:
         return {"error": f"worker exited {proc.returncode}: {proc.stdout[-2000:]}"}
@@ -883,10 +883,15 @@ def parse_args(argv=None):
     ap.add_argument("--max-run-s", type=float, default=240.0,
                     help="skip a peer's throughput run when a batched warm-up predicts it takes longer "
                          "(kvbaton's own run always goes)")
+    ap.add_argument("--worker-timeout-s", type=float, default=None,
+                    help="give up on one engine's process after this long (default: the larger of the "
+                         "size preset's limit and 2 x --max-run-s, so a throughput run let through can finish)")
     ap.add_argument("--_compile", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_no_tp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sizes = QUICK if args.quick else FULL
+    if args.worker_timeout_s is None:
+        args.worker_timeout_s = max(args.sizes.worker_timeout_s, 2 * args.max_run_s)
     args.compile_flag = args.compile
     args.compile = args._compile
     args.busy_notes = []
