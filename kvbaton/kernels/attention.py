@@ -13,6 +13,16 @@ MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
 MAX_PREFILL_GROUP = 48  # query heads per KV head (paged_prefill.c's MAX_ROWS)
 
 
+def _in_fp32(q: torch.Tensor, kv_cache: torch.Tensor, what: str, run) -> torch.Tensor:
+    """Both kernels take fp32 queries [T, H, D] and write fp32 outputs of that shape:
+    `run(q32_addr, out_addr)` returns the C status; the result comes back in q's dtype."""
+    q32 = q.to(torch.float32).contiguous()
+    out = torch.empty_like(q32)
+    if run(q32.data_ptr(), out.data_ptr()) != 0:
+        raise ValueError(f"{what}: unsupported shape (q {tuple(q.shape)}, KV pool {tuple(kv_cache.shape)})")
+    return out.to(q.dtype)
+
+
 class PagedDecodeKernel:
     """`kvbaton_paged_decode_attention` with tensors in and out: one query token per request."""
 
@@ -26,15 +36,10 @@ class PagedDecodeKernel:
         context_lens: [B] int64 -> [B, H, D] in q's dtype."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
-        q32 = q.to(torch.float32).contiguous()
-        out = torch.empty_like(q32)
-        rc = self._fn(kv_cache.data_ptr(), kv_cache.element_size(), q32.data_ptr(), out.data_ptr(),
-                      block_table.data_ptr(), context_lens.data_ptr(), batch, block_table.shape[1], block_size,
-                      num_kv_heads, num_heads // num_kv_heads, head_dim, scale, self.num_threads)
-        if rc != 0:
-            raise ValueError(f"paged decode kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
-                             f"head_dim {head_dim}, block_size {block_size})")
-        return out.to(q.dtype)
+        return _in_fp32(q, kv_cache, "paged decode kernel", lambda q32, out: self._fn(
+            kv_cache.data_ptr(), kv_cache.element_size(), q32, out, block_table.data_ptr(), context_lens.data_ptr(),
+            batch, block_table.shape[1], block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale,
+            self.num_threads))
 
 
 def paged_decode_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -64,15 +69,9 @@ class PagedPrefillKernel:
         (contiguous) covering them -> [T, H, D] in q's dtype."""
         tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
-        q32 = q.to(torch.float32).contiguous()
-        out = torch.empty_like(q32)
-        rc = self._fn(kv_cache.data_ptr(), kv_cache.element_size(), q32.data_ptr(), out.data_ptr(), blocks.data_ptr(),
-                      start_position, tokens, block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale,
-                      self.num_threads)
-        if rc != 0:
-            raise ValueError(f"paged prefill kernel: unsupported shape (heads {num_heads}/{num_kv_heads}, "
-                             f"head_dim {head_dim})")
-        return out.to(q.dtype)
+        return _in_fp32(q, kv_cache, "paged prefill kernel", lambda q32, out: self._fn(
+            kv_cache.data_ptr(), kv_cache.element_size(), q32, out, blocks.data_ptr(), start_position, tokens,
+            block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale, self.num_threads))
 
 
 def paged_prefill_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,

@@ -18,8 +18,13 @@ class AddRMSNorm:
         self.num_threads = num_threads
 
     @staticmethod
-    def handles(x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return x.dtype == weight.dtype == torch.bfloat16 and x.is_contiguous() and weight.is_contiguous()
+    def supports_weight(weight: torch.Tensor) -> bool:
+        """What does not change from step to step: checked once per norm, when paths are chosen."""
+        return weight.dtype == torch.bfloat16 and weight.is_contiguous()
+
+    @staticmethod
+    def handles(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.is_contiguous()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:

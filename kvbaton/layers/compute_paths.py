@@ -30,7 +30,8 @@ def set_compute_paths(model: nn.Module, upcast_min_rows: int | None, kernels: bo
             if module.fused_gate_up is not None:
                 gated.add(proj)
         elif isinstance(module, RMSNorm):
-            module.kernel = norm_kernel
+            suits = norm_kernel is not None and norm_kernel.supports_weight(module.weight)
+            module.kernel = norm_kernel if suits else None
     for module in model.modules():
         if isinstance(module, Linear):
             module.upcast_min_rows = upcast_min_rows
@@ -39,6 +40,7 @@ def set_compute_paths(model: nn.Module, upcast_min_rows: int | None, kernels: bo
             packed_dtype = torch.float32 if keep_fp32_weights else module.weight.dtype
             pack = kernels and module not in gated
             module.packed = pack_linear(module.weight, module.bias, packed_dtype) if pack else None
-            upcast = (not kernels and keep_fp32_weights and upcast_min_rows is not None
-                      and module.weight.dtype != torch.float32)
+            # NOTE: also when kernels were asked for but could not be built (no compiler).
+            upcast = (module.packed is None and module not in gated and keep_fp32_weights
+                      and upcast_min_rows is not None and module.weight.dtype != torch.float32)
             module.fp32_weight = module.weight.detach().float() if upcast else None

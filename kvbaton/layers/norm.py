@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(x + residual), x + residual)`; the first layer has no residual yet: `(norm(x), x)`."""
         kernel = self.kernel
-        if kernel is not None and kernel.handles(x, self.weight):
+        if kernel is not None and kernel.handles(x):  # set only for a bf16 weight (set_compute_paths)
             return kernel(x, residual, self.weight, self.eps)  # one pass, HF's roundings
         if residual is not None:
             x = x + residual
