@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import zmq
 
-from kvbaton.disagg.channel import SECRET_ENV
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender
-from kvbaton.kv.connectors._zmq import copy_rows
 from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.rows import copy_rows
+from kvbaton.wire import SECRET_ENV
 
 LAYERS, BLOCK, HEADS, DIM = 30, 16, 3, 64
 RESULTS = Path(__file__).parent / "results" / "kv-transfer.md"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import msgspec
 
-from kvbaton.disagg.channel import SECRET_ENV
 from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
+from kvbaton.wire import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -46,8 +46,8 @@ from ray._private.state import available_resources_per_node, total_resources_per
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from kvbaton.disagg.channel import SECRET_ENV
 from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
+from kvbaton.wire import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvbaton.config import EngineConfig
-from kvbaton.disagg.channel import cluster_secret
 from kvbaton.disagg.router import Router, RouterConfig
 from kvbaton.disagg.spec import ConnectorSpec
 from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.wire import cluster_secret
 
 
 async def start_router(config: EngineConfig, tokenizer: Tokenizer, options) -> tuple[Router, Callable[[], None] | None]:

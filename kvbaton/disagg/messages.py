@@ -1,4 +1,4 @@
-"""Typed messages between the router (in the frontend) and its workers; signed by `channel.py`.
+"""Typed messages between the router (in the frontend) and its workers; signed by `kvbaton.wire`.
 
     router -> worker:  AddRequest, PrepareReceive, StartDecode, CancelReceive, AbortRequests, Drain, Shutdown,
                        CheckIntegrity
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvbaton.engine.core import EngineInfo, EngineStats
+from kvbaton.engine.info import EngineInfo, EngineStats
 from kvbaton.engine.outputs import EngineCoreOutput, RemoteDecode
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.kv.layout import KVLayout

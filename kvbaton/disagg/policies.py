@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Protocol
 
-from kvbaton.engine.kv_cache_manager import hash_block_tokens
+from kvbaton.kv.hashing import chained_block_hashes
 
 
 class Candidate(Protocol):
@@ -65,11 +65,7 @@ class PrefixIndex:
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
 
     def hashes(self, token_ids: list[int]) -> list[bytes]:
-        out, parent, bs = [], None, self.block_size
-        for i in range(len(token_ids) // bs):
-            parent = hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs])
-            out.append(parent)
-        return out
+        return chained_block_hashes(token_ids, self.block_size)
 
     def matched_blocks(self, worker: str, hashes: list[bytes]) -> int:
         known = self._blocks.get(worker)

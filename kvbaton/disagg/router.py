@@ -28,7 +28,6 @@ import zmq
 import zmq.asyncio
 
 from kvbaton.config import EngineConfig
-from kvbaton.disagg.channel import MAX_CONTROL_FRAME_BYTES, SignedCodec
 from kvbaton.disagg.flight import Flight, Phase
 from kvbaton.disagg.messages import (
     AbortRequests,
@@ -54,8 +53,8 @@ from kvbaton.disagg.messages import (
 )
 from kvbaton.disagg.policies import make_policy
 from kvbaton.disagg.spec import ConnectorSpec, WorkerSpec
-from kvbaton.engine.core import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.errors import EngineDeadError
+from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.output_processor import OutputProcessor
 from kvbaton.engine.outputs import EngineCoreOutput, RemoteDecode
 from kvbaton.engine.request_output import RequestOutput
@@ -63,6 +62,7 @@ from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.streams import stream_outputs
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.layout import KVLayout
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SignedCodec
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Router:
         self.workers: dict[str, WorkerHandle] = {}
         self.flights: dict[str, Flight] = {}
         self.info: EngineInfo | None = None
-        self.stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        self.stats = EngineStats()
         self.dead_reason: str | None = None
         self._codec_out = SignedCodec(secret, ToWorker)
         self._codec_in = SignedCodec(secret, FromWorker)
@@ -493,10 +493,6 @@ class Router:
         loads = [w.load.stats for w in self.workers.values() if w.alive and w.can_decode]
         if not loads:
             return
-        self.stats = EngineStats(
-            sum(s.num_running for s in loads), sum(s.num_waiting for s in loads),
-            sum(s.kv_cache_usage for s in loads) / len(loads), sum(s.kv_slots_allocated for s in loads),
-            sum(s.kv_slots_filled for s in loads), sum(s.prefix_cache_queried_tokens for s in loads),
-            sum(s.prefix_cache_hit_tokens for s in loads), sum(s.num_preemptions for s in loads))
+        self.stats = EngineStats.total(loads)
         for callback in self._stats_listeners:
             callback(self.stats)

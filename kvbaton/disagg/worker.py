@@ -6,7 +6,7 @@ Both come through the environment, never argv: `ps` shows every process's comman
 every user, and a spec can hold credentials (a Redis URL with its password).
 
 Sockets: a PULL socket bound on the address it was given (port chosen by the OS) for commands,
-and a PUSH socket to the router for events. Every frame is signed (`channel.py`); a frame that
+and a PUSH socket to the router for events. Every frame is signed (`kvbaton.wire`); a frame that
 fails verification is logged and dropped and the worker goes on.
 
 The loop: take every pending command, move KV transfers along (connector polls), run one
@@ -29,7 +29,6 @@ import msgspec
 import zmq
 
 from kvbaton.config import ModelConfig
-from kvbaton.disagg.channel import MAX_CONTROL_FRAME_BYTES, SECRET_ENV, SignedCodec
 from kvbaton.disagg.messages import (
     AbortRequests,
     AddRequest,
@@ -59,7 +58,9 @@ from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender
 from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.pools import KVPools
 from kvbaton.models.registry import resolve_model
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SECRET_ENV, SignedCodec
 
 logger = logging.getLogger("kvbaton.worker")
 BUSY_POLL_MS = 2  # while transfers are in flight but nothing is runnable
@@ -79,7 +80,7 @@ class Worker:
         self.events.connect(spec.router)
         self.codec_in = SignedCodec(secret, ToWorker)
         self.codec_out = SignedCodec(secret, FromWorker)
-        self.layout = KVLayout.of(core.runner.kv_caches, core.info.block_size)
+        self.layout = core.kv_layout
         conn = ConnectorConfig(spec.connector.transport, secret, spec.connector.host, spec.connector.redis_url,
                                spec.connector.redis_ttl_s, spec.name)
         self.sender = make_sender(conn, self.layout, core.runner.kv_caches) if spec.role == "prefill" else None
@@ -275,23 +276,19 @@ class Worker:
         self.events.close()
 
 
-def build_core(spec: WorkerSpec) -> tuple[EngineCore, object | None]:
-    """The worker's engine, and the shared-memory pool handle when its KV lives in one (a shm
-    prefill worker: decode workers then copy blocks straight out of its pool)."""
+def build_core(spec: WorkerSpec) -> EngineCore:
+    """The worker's engine; a shm prefill worker's KV pools live in shared memory (decode workers
+    then copy blocks straight out of them)."""
     model_dir = resolve_model(spec.engine.model)
     eos = eos_token_ids(ModelConfig.from_dir(model_dir), Tokenizer(model_dir))
     if spec.role != "prefill" or spec.connector.transport != "shm":
-        return EngineCore(spec.engine, model_dir, eos), None
+        return EngineCore(spec.engine, model_dir, eos)
     from kvbaton.kv.connectors.shm import allocate_shared_kv_caches
 
-    pools = []
+    def allocate(layout: KVLayout, num_blocks: int) -> KVPools:
+        return allocate_shared_kv_caches(layout, num_blocks, spec.name)
 
-    def allocate(num_layers: int, shape: tuple[int, ...], dtype):
-        caches, pool = allocate_shared_kv_caches(num_layers, shape, dtype, spec.name)
-        pools.append(pool)
-        return caches
-
-    return EngineCore(spec.engine, model_dir, eos, kv_allocator=allocate), pools[0]
+    return EngineCore(spec.engine, model_dir, eos, kv_allocator=allocate)
 
 
 def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) -> None:
@@ -305,7 +302,7 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
     # NOTE: SIGTERM (a launcher's polite stop) unwinds like SIGINT, so sockets, shared-memory
     # segments and connector threads are released in `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    core, shared_pool = build_core(spec)
+    core = build_core(spec)
     ctx = zmq.Context()
     worker = Worker(spec, secret, core, ctx, exit_with_parent)
     try:
@@ -313,8 +310,7 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
     finally:
         worker.close()
         ctx.term()
-        if shared_pool is not None:
-            shared_pool.close()
+        core.runner.pools.close()
 
 
 def main(argv: list[str] | None = None) -> None:

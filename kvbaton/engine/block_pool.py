@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-BlockHash = bytes
+from kvbaton.kv.hashing import BlockHash
 
 
 @dataclass

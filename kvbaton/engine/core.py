@@ -6,24 +6,23 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvbaton.config import EngineConfig, ModelConfig
-from kvbaton.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvbaton.engine.model_runner import KVAllocator, ModelRunner, kv_bytes_per_block
+from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
+from kvbaton.engine.kv_cache_manager import KVCacheManager
+from kvbaton.engine.model_runner import ModelRunner, kv_layout
 from kvbaton.engine.outputs import EngineCoreOutput
 from kvbaton.engine.request import Request, RequestStatus
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.scheduler import Scheduler
+from kvbaton.kv.pools import PoolAllocator, allocate_pools
 from kvbaton.layers.compute_paths import set_compute_paths
 from kvbaton.models.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
 # NOTE: measured on a 2-core AVX2 EPYC: an (emulated) bf16 GEMM loses to fp32 from ~16 rows on.
 UPCAST_MIN_ROWS = 16
 # bf16 models up to this size also keep an fp32 copy of their weights for many-row steps.
@@ -38,68 +37,9 @@ def has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a frontend needs to validate requests without asking the core."""
-
-    max_model_len: int
-    vocab_size: int
-    num_blocks: int
-    block_size: int
-    max_num_batched_tokens: int
-    enable_chunked_prefill: bool
-    eos_token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    kv_slots_allocated: int
-    kv_slots_filled: int
-    prefix_cache_queried_tokens: int
-    prefix_cache_hit_tokens: int
-    num_preemptions: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / q if q else 0.0
-
-    @property
-    def kv_waste_fraction(self) -> float:
-        """Allocated-but-unused slots over allocated slots (internal fragmentation)."""
-        if not self.kv_slots_allocated:
-            return 0.0
-        return 1.0 - self.kv_slots_filled / self.kv_slots_allocated
-
-
-def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingParams) -> None:
-    """Raise InvalidRequestError (naming the problem) for a request the core cannot run."""
-    if not token_ids:
-        raise InvalidRequestError("prompt is empty")
-    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-        raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}")
-    if not all(isinstance(t, int) and 0 <= t < info.vocab_size for t in token_ids):
-        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {info.vocab_size})")
-    if len(token_ids) >= info.max_model_len:
-        raise InvalidRequestError(
-            f"prompt has {len(token_ids)} tokens but the model's context length is {info.max_model_len}; "
-            f"it must be shorter to leave room for at least one generated token")
-    if cdiv(len(token_ids) + 1, info.block_size) > info.num_blocks:
-        raise InvalidRequestError(
-            f"prompt of {len(token_ids)} tokens cannot fit in the KV cache ({info.num_blocks} blocks of "
-            f"{info.block_size} tokens)")
-    if not info.enable_chunked_prefill and len(token_ids) > info.max_num_batched_tokens:
-        raise InvalidRequestError(
-            f"prompt of {len(token_ids)} tokens exceeds max_num_batched_tokens={info.max_num_batched_tokens} "
-            f"and chunked prefill is off")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: tuple[int, ...],
-                 kv_allocator: KVAllocator | None = None) -> None:
+                 kv_allocator: PoolAllocator = allocate_pools) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype)
@@ -114,14 +54,17 @@ class EngineCore:
             set_compute_paths(model, UPCAST_MIN_ROWS, config.kernels,
                               keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES)
         block_size = config.cache.block_size
-        block_bytes = kv_bytes_per_block(self.model_config, block_size, self.dtype)
-        num_blocks = config.cache.num_blocks or max(1, int(config.cache.kv_cache_memory_gb * 2**30 // block_bytes))
-        self.info = EngineInfo(max_model_len, self.model_config.vocab_size, num_blocks, block_size,
-                               config.scheduler.max_num_batched_tokens, config.scheduler.enable_chunked_prefill,
-                               eos_token_ids)
+        self.kv_layout = kv_layout(self.model_config, block_size, self.dtype)
+        num_blocks = config.cache.num_blocks or max(
+            1, int(config.cache.kv_cache_memory_gb * 2**30 // self.kv_layout.bytes_per_block))
+        self.info = EngineInfo(max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,
+                               num_blocks=num_blocks, block_size=block_size,
+                               max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                               enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+                               eos_token_ids=eos_token_ids)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
-        self.runner = ModelRunner(model, num_blocks, block_size, self.dtype, config.seed, eos_token_ids,
+        self.runner = ModelRunner(model, self.kv_layout, num_blocks, config.seed, eos_token_ids,
                                   use_kernels=config.kernels, kv_allocator=kv_allocator)
         if config.compile:
             from kvbaton.engine.compile import compile_model
@@ -154,10 +97,10 @@ class EngineCore:
     def stats(self) -> EngineStats:
         allocated, filled = self.kv_cache.slot_waste(self.scheduler.running)
         prefix = self.kv_cache.prefix_cache_stats()
-        return EngineStats(
-            self.scheduler.num_running, self.scheduler.num_waiting, self.kv_cache.usage(), allocated, filled,
-            prefix.queried_tokens, prefix.hit_tokens, self.scheduler.num_preemptions,
-        )
+        return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                           kv_cache_usage=self.kv_cache.usage(), kv_slots_allocated=allocated, kv_slots_filled=filled,
+                           prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
+                           num_preemptions=self.scheduler.num_preemptions)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

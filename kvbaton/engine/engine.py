@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from kvbaton.config import EngineConfig, ModelConfig
-from kvbaton.engine.core import EngineCore, EngineStats, validate_request
+from kvbaton.engine.core import EngineCore
+from kvbaton.engine.info import EngineStats, validate_request
 from kvbaton.engine.inputs import PromptType, tokenize_prompt
 from kvbaton.engine.output_processor import OutputProcessor
 from kvbaton.engine.request import Request, RequestStatus

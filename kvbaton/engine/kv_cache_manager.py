@@ -1,26 +1,17 @@
 """Per-request block tables on top of the block pool, with automatic prefix caching.
 
-A full block is named by a hash chained from its parent's hash and its own token ids, so
-equal hashes mean equal prefixes; a new request reuses the longest run of cached blocks.
+A full block is named by its content address (`kvbaton.kv.hashing`: a hash chained from its
+parent's hash and its own token ids), so equal hashes mean equal prefixes; a new request reuses
+the longest run of cached blocks.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from dataclasses import dataclass
 
-from kvbaton.engine.block_pool import BlockHash, BlockPool, KVBlock
+from kvbaton.engine.block_pool import BlockPool, KVBlock
 from kvbaton.engine.request import Request
-
-_ROOT_HASH = b"kvbaton-root"
-
-
-def hash_block_tokens(parent: BlockHash | None, token_ids: list[int]) -> BlockHash:
-    """Stable across processes (unlike `hash()`), so workers can share prefix hashes."""
-    digest = hashlib.blake2b(parent or _ROOT_HASH, digest_size=16)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
+from kvbaton.kv.hashing import hash_block_tokens
 
 
 def cdiv(a: int, b: int) -> int:

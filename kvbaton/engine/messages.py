@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from kvbaton.engine.core import EngineInfo, EngineStats
+from kvbaton.engine.info import EngineInfo, EngineStats
 from kvbaton.engine.outputs import EngineCoreOutput
 from kvbaton.engine.sampling_params import SamplingParams
 

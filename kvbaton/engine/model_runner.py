@@ -4,36 +4,28 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvbaton.config import ModelConfig
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvbaton.engine.sampler import SamplingRow, sample
 from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
+from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.pools import PoolAllocator, allocate_pools
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
-from kvbaton.layers.sampler import SamplingRow, sample
-from kvbaton.models.llama import KVCache, LlamaForCausalLM
+from kvbaton.models.llama import LlamaForCausalLM
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer: the memory one block costs."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+def kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """The model's KV pool: K and V of every KV head, per layer."""
+    return KVLayout.standard(num_layers=cfg.num_hidden_layers, block_size=block_size,
+                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=str(dtype).removeprefix("torch."))
 
 
-# (num_layers, per-layer shape, dtype) -> per-layer pools; e.g. pools in shared memory (shm transport)
-KVAllocator = Callable[[int, tuple[int, ...], torch.dtype], list[KVCache]]
-
-
-def allocate_kv_caches(cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       allocator: KVAllocator | None = None) -> list[KVCache]:
-    shape = (num_blocks * block_size, 2, cfg.num_key_value_heads, cfg.head_dim)
-    if allocator is not None:
-        return allocator(cfg.num_hidden_layers, shape, dtype)
-    return [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:
@@ -52,16 +44,17 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 seed: int = 0, eos_token_ids: tuple[int, ...] = (), use_kernels: bool = True,
-                 kv_allocator: KVAllocator | None = None) -> None:
+    def __init__(self, model: LlamaForCausalLM, layout: KVLayout, num_blocks: int, seed: int = 0,
+                 eos_token_ids: tuple[int, ...] = (), use_kernels: bool = True,
+                 kv_allocator: PoolAllocator = allocate_pools) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
-        self.block_size = block_size
-        self.dtype = dtype
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, dtype, kv_allocator)
-        cfg = model.config
-        shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.dtype = dtype = layout.torch_dtype
+        self.pools = kv_allocator(layout, num_blocks)
+        self.kv_caches = self.pools.caches
+        shape = (model.config.num_attention_heads, layout.num_kv_heads, layout.head_dim)
         self.decode_kernel = paged_decode_kernel(dtype, *shape) if use_kernels else None
         self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if use_kernels else None
         self._generators: dict[str, torch.Generator] = {}

@@ -19,6 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvbaton.paths import kernels_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c")
@@ -69,13 +71,11 @@ def cpu_kernels() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: using the PyTorch attention path (slower on CPU)")
         return None
-    from kvbaton.models.registry import cache_root
-
     digest = hashlib.sha256()
     for s in (*SOURCES, *HEADERS):
         digest.update(Path(__file__).with_name(s).read_bytes())
     digest.update(" ".join(CFLAGS).encode() + compiler.encode() + _cpu_fingerprint().encode())
-    out = cache_root() / "kernels" / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
+    out = kernels_dir() / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
     try:
         if not out.exists():
             _build(out, compiler)

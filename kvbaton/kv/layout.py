@@ -1,12 +1,21 @@
-"""What a KV block is, byte for byte, so two workers can check they agree before a transfer.
+"""What a KV block is, byte for byte: the one description of a pool's shape, so two workers can
+check they agree before a transfer, and the engine, the transports and the attention backend
+never spell the shape out themselves.
 
-One layer's pool is `[num_slots, 2, Hkv, D]` with `slot = block * block_size + offset`, so one
-block of one layer is a contiguous run of `block_size * 2 * Hkv * D` elements: the unit every
-transport moves (`pool.view(num_blocks, -1)[block_id]`).
+A pool holds, per token slot, the layout's `components` side by side, in order:
+
+    standard attention:  k [Hkv, D] | v [Hkv, D]                  -> slot shape [2, Hkv, D]
+    (later) int8 KV:     k [Hkv, D] | v [Hkv, D] | scales ...
+    (later) MLA:         c_kv [1, kv_lora_rank] | k_rope [1, rope_dim]
+
+One layer's pool is `pool_shape(num_blocks)` = `[num_blocks * block_size, *slot_shape]`, with
+`slot = block * block_size + offset`, so one block of one layer is a contiguous run of
+`block_numel` elements: the unit every transport moves (`block_view(pool, layout)[block_id]`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -16,25 +25,110 @@ if TYPE_CHECKING:
 
 # NOTE: no torch import at module level: the scheduler (which imports no torch) carries layouts.
 ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+K, V = "k", "v"
 
 
 class KVLayoutMismatch(ValueError):
     """Prefill and decode workers disagree on the KV layout; the transfer is refused."""
 
 
-class KVLayout(msgspec.Struct, frozen=True):
+class KVComponent(msgspec.Struct, frozen=True):
+    """One tensor cached for every token: `[num_heads, head_dim]` elements of the layout's dtype."""
+
+    name: str
+    num_heads: int
+    head_dim: int
+
+    @property
+    def numel(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     num_layers: int
     block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # a key of DTYPES
+    dtype: str  # a key of ELEMENT_BYTES
+    components: tuple[KVComponent, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ELEMENT_BYTES:
+            raise ValueError(f"KV dtype must be one of {', '.join(ELEMENT_BYTES)}, not {self.dtype!r}")
+        if min(self.num_layers, self.block_size, len(self.components)) < 1:
+            raise ValueError("a KV layout needs at least one layer, one slot per block and one component")
 
     @classmethod
-    def of(cls, kv_caches: list[torch.Tensor], block_size: int) -> KVLayout:
-        _, two, num_kv_heads, head_dim = kv_caches[0].shape
-        assert two == 2, "pool layout is [slots, 2, Hkv, D]"
-        dtype = str(kv_caches[0].dtype).removeprefix("torch.")
-        return cls(len(kv_caches), block_size, num_kv_heads, head_dim, dtype)
+    def standard(cls, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: str) -> KVLayout:
+        """K and V of every KV head, side by side per slot: `[slots, 2, Hkv, D]`."""
+        return cls(num_layers=num_layers, block_size=block_size, dtype=dtype,
+                   components=(KVComponent(K, num_kv_heads, head_dim), KVComponent(V, num_kv_heads, head_dim)))
+
+    # ---- shape -----------------------------------------------------------------------------
+
+    @property
+    def slot_shape(self) -> tuple[int, ...]:
+        """One slot's shape: `[num_components, heads, dim]` when every component has the same shape
+        (K and V), else the components' elements flattened."""
+        first = self.components[0]
+        if all((c.num_heads, c.head_dim) == (first.num_heads, first.head_dim) for c in self.components):
+            return (len(self.components), first.num_heads, first.head_dim)
+        return (self.slot_numel,)
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One layer's pool for `num_blocks` blocks."""
+        return (num_blocks * self.block_size, *self.slot_shape)
+
+    @property
+    def slot_numel(self) -> int:
+        return sum(c.numel for c in self.components)
+
+    @property
+    def block_numel(self) -> int:
+        """Elements of one block in one layer (every component)."""
+        return self.block_size * self.slot_numel
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one layer."""
+        return self.block_numel * self.element_bytes
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across every layer: what the pool's memory budget is divided by."""
+        return self.num_layers * self.block_bytes
+
+    def num_blocks_in(self, num_elements: int) -> int:
+        """Blocks in one layer's pool of `num_elements` elements."""
+        return num_elements // self.block_numel
+
+    # ---- components --------------------------------------------------------------------------
+
+    def component(self, name: str) -> KVComponent:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"this KV layout has no component {name!r} ({', '.join(self.component_names)})")
+
+    @property
+    def component_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.components)
+
+    @property
+    def is_standard(self) -> bool:
+        """K and V only, same shape: what the paged attention backend reads."""
+        return self.component_names == (K, V) and len(self.slot_shape) == 3
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.component(K).num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.component(K).head_dim
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -42,25 +136,35 @@ class KVLayout(msgspec.Struct, frozen=True):
 
         return getattr(torch, self.dtype)
 
-    @property
-    def block_numel(self) -> int:
-        """Elements of one block in one layer (K and V)."""
-        return self.block_size * 2 * self.num_kv_heads * self.head_dim
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_numel * ELEMENT_BYTES[self.dtype]
+    # ---- agreement between workers -----------------------------------------------------------
 
     def check_compatible(self, other: KVLayout) -> None:
         if self == other:
             return
         diffs = [f"{name} {getattr(self, name)} vs {getattr(other, name)}"
-                 for name in ("num_layers", "block_size", "num_kv_heads", "head_dim", "dtype")
-                 if getattr(self, name) != getattr(other, name)]
+                 for name in ("num_layers", "block_size", "dtype") if getattr(self, name) != getattr(other, name)]
+        diffs += _component_diffs(self.components, other.components)
         raise KVLayoutMismatch("KV layout mismatch between prefill and decode workers: " + ", ".join(diffs)
                                + " (start both pools with the same model, --dtype and --block-size)")
+
+
+def _component_diffs(ours: tuple[KVComponent, ...], theirs: tuple[KVComponent, ...]) -> list[str]:
+    if tuple(c.name for c in ours) != tuple(c.name for c in theirs):
+        return [f"components {'/'.join(c.name for c in ours)} vs {'/'.join(c.name for c in theirs)}"]
+    return [f"{a.name} {field} {getattr(a, field)} vs {getattr(b, field)}"
+            for a, b in zip(ours, theirs) for field in ("num_heads", "head_dim") if getattr(a, field) != getattr(b, field)]
 
 
 def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """One layer's pool as [num_blocks, block_numel]: row b is block b, contiguous."""
     return kv_cache.view(-1, layout.block_numel)
+
+
+def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    """Raise ValueError unless `kv_cache` is a contiguous pool of `layout` (any number of blocks)."""
+    if not kv_cache.is_contiguous() or kv_cache.dtype != layout.torch_dtype:
+        raise ValueError("KV pools must be contiguous tensors of the layout's dtype")
+    if tuple(kv_cache.shape[1:]) != layout.slot_shape or kv_cache.shape[0] % layout.block_size:
+        raise ValueError(f"KV pool of shape {tuple(kv_cache.shape)} is not a pool of slots {layout.slot_shape} "
+                         f"in blocks of {layout.block_size}")
+    assert math.prod(kv_cache.shape) % layout.block_numel == 0

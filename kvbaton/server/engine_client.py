@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from kvbaton.config import EngineConfig
-from kvbaton.engine.core import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.errors import EngineDeadError
+from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.messages import (
     AbortRequests,
     AddRequest,
@@ -51,7 +51,7 @@ class AsyncEngineClient:
         self.name = name
         self.outputs = OutputProcessor(tokenizer)
         self.info: EngineInfo | None = None
-        self.stats = EngineStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        self.stats = EngineStats()
         self.proc: subprocess.Popen | None = None
         self.dead_reason: str | None = None
         self._streams: dict[str, asyncio.Queue] = {}

@@ -30,9 +30,9 @@ from kvbaton.cluster.ray import (
     spread_selector,
 )
 from kvbaton.config import CacheConfig, EngineConfig
-from kvbaton.disagg.channel import SignedCodec, cluster_secret
 from kvbaton.disagg.messages import FromWorker, Shutdown, ToWorker, WorkerHello
 from kvbaton.disagg.spec import ConnectorSpec, WorkerSpec
+from kvbaton.wire import SignedCodec, cluster_secret
 
 NUM_CPUS = 2
 

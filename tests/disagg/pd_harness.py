@@ -10,11 +10,11 @@ from helpers import TINY_VOCAB
 
 from kvbaton.cluster.local import LocalLauncher
 from kvbaton.config import CacheConfig, EngineConfig
-from kvbaton.disagg.channel import cluster_secret
 from kvbaton.disagg.router import Router, RouterConfig
 from kvbaton.disagg.spec import ConnectorSpec
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.wire import cluster_secret
 
 
 def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:

@@ -12,8 +12,8 @@ import zmq
 from helpers import hf_greedy
 from pd_harness import collect, router_over, run, tiny_prompts
 
-from kvbaton.disagg.channel import MAX_CONTROL_FRAME_BYTES, SignedCodec
 from kvbaton.disagg.messages import Shutdown, ToWorker
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SignedCodec
 
 
 def test_bad_frames_are_refused_and_the_worker_keeps_serving(tiny_llama, tmp_path):

@@ -7,9 +7,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvbaton.engine.kv_cache_manager import KVCacheManager, hash_block_tokens
+from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.kv.hashing import hash_block_tokens
 
 BS = 4  # block size
 

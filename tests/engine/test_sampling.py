@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvbaton.engine.sampler import SamplingRow, sample
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
-from kvbaton.layers.sampler import SamplingRow, sample
 
 V = 50  # vocab size
 

@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from kvbaton.disagg.channel import SECRET_ENV
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_sender
 from kvbaton.kv.layout import KVLayout
+from kvbaton.wire import SECRET_ENV
 
 LAYERS, BLOCK, HEADS, DIM, BLOCKS = 4, 4, 2, 8, 48
 

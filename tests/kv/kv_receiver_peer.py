@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from kvbaton.disagg.channel import SECRET_ENV
 from kvbaton.kv.connectors import ConnectorConfig, PollResult, make_receiver
 from kvbaton.kv.layout import KVLayout, block_view
+from kvbaton.wire import SECRET_ENV
 
 LAYERS, BLOCK, HEADS, DIM, BLOCKS = 4, 4, 2, 8, 48
 REDIS_URL_ENV = "KVBATON_TEST_REDIS_URL"  # a secret (it holds the password): environment, not argv

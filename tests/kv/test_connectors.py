@@ -24,13 +24,13 @@ import torch
 import zmq
 from kv_peer import BLOCK, BLOCKS, DIM, HEADS, LAYERS, pool_shape, seeded_pools
 
-from kvbaton.disagg.channel import SECRET_ENV, SignedCodec
 from kvbaton.kv.connectors import ConnectorConfig, KVReceiver, KVSender, TransferSpec, make_receiver, make_sender
 from kvbaton.kv.connectors._transport import NOT_EXPECTING, Ack
-from kvbaton.kv.connectors._zmq import copy_rows
 from kvbaton.kv.connectors.shm import SHM_DIR, ShmLayer, allocate_shared_kv_caches
 from kvbaton.kv.connectors.tcp import TcpLayer
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
+from kvbaton.kv.rows import copy_rows
+from kvbaton.wire import SECRET_ENV, SignedCodec
 
 SECRET = b"kvbaton-test-secret-0123456789ab"
 VARIANTS = ["tcp", "shm", "shm-shared"]

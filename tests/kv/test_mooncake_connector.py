@@ -17,7 +17,6 @@ import pytest
 import torch
 import zmq
 
-from kvbaton.disagg.channel import SECRET_ENV, SignedCodec  # noqa: E402
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender  # noqa: E402
 from kvbaton.kv.connectors.mooncake import (  # noqa: E402
     PROTOCOL_ENV,
@@ -27,6 +26,7 @@ from kvbaton.kv.connectors.mooncake import (  # noqa: E402
     contiguous_runs,
 )
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch  # noqa: E402
+from kvbaton.wire import SECRET_ENV, SignedCodec  # noqa: E402
 
 SECRET = secrets.token_hex(16).encode()
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

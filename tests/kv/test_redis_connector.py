@@ -15,11 +15,11 @@ import pytest
 import redis
 import torch
 
-from kvbaton.disagg.channel import SECRET_ENV, SignedCodec
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender
 from kvbaton.kv.connectors.redis import KEY_PREFIX, LayerStored, Notice, dst_digest
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
 from kvbaton.kv.redis_server import redis_server_binary, start_redis_server
+from kvbaton.wire import SECRET_ENV, SignedCodec
 
 # NOTE: no skip: scripts/setup.sh installs redis-server, so its absence is a set-up failure to see.
 assert redis_server_binary() is not None, "redis-server is not installed (scripts/setup.sh installs it with apt-get)"

@@ -5,7 +5,7 @@ of both roles (deadlines, acks, cancel/abort, refusals). A transport adds how on
     ZmqSender ── layer messages (PUSH) ────────────────▶  ZmqReceiver socket (PULL, bound: .address)
       ack socket (PULL, bound) ◀── Ack (PUSH, ack_to) ──
 
-Threads: see `_zmq.py`. Data lands in the receiver's pool only inside poll().
+Threads: see `kvbaton.wire.io_thread`. Data lands in the receiver's pool only inside poll().
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import msgspec
 import torch
 import zmq
 
-from kvbaton.disagg.channel import SignedCodec
-from kvbaton.kv.connectors._zmq import IOThread, pool_rows, rows_within
 from kvbaton.kv.connectors.base import ConnectorConfig, KVReceiver, KVSender, PollResult, TransferSpec
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
+from kvbaton.kv.rows import pool_rows, rows_within
+from kvbaton.wire import SignedCodec
+from kvbaton.wire.io_thread import IOThread
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ worker, a `KVReceiver` in the decode worker. Both are called only from their wor
 loop thread (between steps, and — for `save_layer` — between layers of a forward pass); any
 network I/O happens on the transport's own background threads, so neither call blocks on a
 peer. Control messages a transport exchanges with its peer (acks, "layer ready") go through
-`kvbaton.disagg.channel.SignedCodec` frames; bulk data is authenticated the same way unless
+`kvbaton.wire.SignedCodec` frames; bulk data is authenticated the same way unless
 the transport's medium is private to the cluster (shared memory on one host).
 
 Life of one transfer (the router brokers the first two steps):

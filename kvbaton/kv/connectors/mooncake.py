@@ -38,9 +38,9 @@ import msgspec
 import torch
 import zmq
 
-from kvbaton.disagg.channel import SignedCodec
 from kvbaton.kv.connectors.base import ConnectorConfig, KVReceiver, KVSender, PollResult, TransferSpec
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
+from kvbaton.wire import SignedCodec
 
 logger = logging.getLogger(__name__)
 

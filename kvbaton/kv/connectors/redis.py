@@ -31,9 +31,9 @@ import redis as redis_py  # NOTE: absolute import of redis-py, not this module (
 import torch
 from redis.connection import Encoder, PythonRespSerializer
 
-from kvbaton.disagg.channel import SignedCodec
 from kvbaton.kv.connectors.base import ConnectorConfig, KVReceiver, KVSender, PollResult, TransferSpec
 from kvbaton.kv.layout import KVLayout, block_view
+from kvbaton.wire import SignedCodec
 
 logger = logging.getLogger(__name__)
 

@@ -26,9 +26,9 @@ import torch
 import zmq
 
 from kvbaton.kv.connectors._transport import Incoming, Outgoing, SenderFailed, ZmqReceiver, ZmqSender
-from kvbaton.kv.connectors._zmq import copy_rows
 from kvbaton.kv.connectors.base import ConnectorConfig
 from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.rows import copy_rows
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ logged; nothing received is ever unpickled or `torch.load`ed — unauthenticated
 ZeroMQ sockets is how PD-disaggregation stacks got remote-code-execution CVEs
 (CVE-2025-30165, CVE-2025-32444, CVE-2026-3060, CVE-2026-26220).
 
-The cluster secret comes from `--cluster-secret` / `KVBATON_CLUSTER_SECRET`, or is made
+The cluster secret comes from `KVBATON_CLUSTER_SECRET`, or is made
 fresh by the launcher and handed to the workers it starts (via the environment, never argv,
 so `ps` does not show it).
 """
@@ -19,19 +19,16 @@ import hmac
 import logging
 import os
 import secrets
+from typing import Any
 
 import msgspec
+
+from kvbaton.wire.codec import MAX_CONTROL_FRAME_BYTES, ChannelError, Codec
 
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "KVBATON_CLUSTER_SECRET"
 MAC_BYTES = 32
-MAX_CONTROL_FRAME_BYTES = 64 * 2**20  # control messages; KV data frames have their own limit
-
-
-class ChannelError(ValueError):
-    """A frame was refused (unsigned, forged, oversized, or not a known message)."""
-
 
 def cluster_secret() -> bytes:
     """The secret from the environment, or a new random one (which the launcher then passes on)."""
@@ -44,19 +41,18 @@ def cluster_secret() -> bytes:
 class SignedCodec:
     """Sign-and-encode / verify-and-decode for one message union over one secret."""
 
-    def __init__(self, secret: bytes, decode_type, max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
+    def __init__(self, secret: bytes, decode_type: Any, max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
         if len(secret) < 16:
             raise ValueError("cluster secret must be at least 16 bytes")
         self._secret = secret
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(decode_type)
+        self._codec = Codec(decode_type, max_frame_bytes)
         self.max_frame_bytes = max_frame_bytes
 
     def sign(self, payload: bytes | memoryview) -> bytes:
         return hmac.new(self._secret, payload, hashlib.sha256).digest()
 
     def encode(self, msg: msgspec.Struct) -> bytes:
-        payload = self._encoder.encode(msg)
+        payload = self._codec.encode(msg)
         return self.sign(payload) + payload
 
     def verify(self, frame: bytes | memoryview) -> memoryview:
@@ -71,14 +67,10 @@ class SignedCodec:
             raise ChannelError("bad signature (unauthenticated sender or another cluster's secret)")
         return payload
 
-    def decode(self, frame: bytes | memoryview):
-        payload = self.verify(frame)
-        try:
-            return self._decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ChannelError(f"malformed message: {exc}") from exc
+    def decode(self, frame: bytes | memoryview) -> Any:
+        return self._codec.decode(self.verify(frame))
 
-    def try_decode(self, frame: bytes | memoryview, where: str):
+    def try_decode(self, frame: bytes | memoryview, where: str) -> Any:
         """decode(), but a refused frame is logged and gives None: one bad peer must not stop a worker."""
         try:
             return self.decode(frame)

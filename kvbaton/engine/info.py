@@ -1,0 +1,85 @@
+"""What a frontend knows about an engine without asking it, and the checks it runs before sending a
+request: torch-free, so the HTTP process and the router never load torch or the model code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbaton.engine.kv_cache_manager import cdiv
+from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+
+MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineInfo:
+    """What a frontend needs to validate requests without asking the core."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats:
+    """One engine's (or, summed, one pool's) load and cache counters, as of its last step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks referenced
+    kv_slots_allocated: int = 0
+    kv_slots_filled: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_preemptions: int = 0
+
+    @classmethod
+    def total(cls, parts: list[EngineStats]) -> EngineStats:
+        """Counts summed over `parts`; KV usage averaged (each part is a fraction of its own pool)."""
+        if not parts:
+            return cls()
+        return cls(num_running=sum(s.num_running for s in parts), num_waiting=sum(s.num_waiting for s in parts),
+                   kv_cache_usage=sum(s.kv_cache_usage for s in parts) / len(parts),
+                   kv_slots_allocated=sum(s.kv_slots_allocated for s in parts),
+                   kv_slots_filled=sum(s.kv_slots_filled for s in parts),
+                   prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in parts),
+                   prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in parts),
+                   num_preemptions=sum(s.num_preemptions for s in parts))
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def kv_waste_fraction(self) -> float:
+        """Allocated-but-unused slots over allocated slots (internal fragmentation)."""
+        if not self.kv_slots_allocated:
+            return 0.0
+        return 1.0 - self.kv_slots_filled / self.kv_slots_allocated
+
+
+def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingParams) -> None:
+    """Raise InvalidRequestError (naming the problem) for a request the core cannot run."""
+    if not token_ids:
+        raise InvalidRequestError("prompt is empty")
+    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}")
+    if not all(isinstance(t, int) and 0 <= t < info.vocab_size for t in token_ids):
+        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {info.vocab_size})")
+    if len(token_ids) >= info.max_model_len:
+        raise InvalidRequestError(
+            f"prompt has {len(token_ids)} tokens but the model's context length is {info.max_model_len}; "
+            f"it must be shorter to leave room for at least one generated token")
+    if cdiv(len(token_ids) + 1, info.block_size) > info.num_blocks:
+        raise InvalidRequestError(
+            f"prompt of {len(token_ids)} tokens cannot fit in the KV cache ({info.num_blocks} blocks of "
+            f"{info.block_size} tokens)")
+    if not info.enable_chunked_prefill and len(token_ids) > info.max_num_batched_tokens:
+        raise InvalidRequestError(
+            f"prompt of {len(token_ids)} tokens exceeds max_num_batched_tokens={info.max_num_batched_tokens} "
+            f"and chunked prefill is off")

@@ -1,0 +1,47 @@
+"""The content address of a KV block: a hash chained from its parent block's hash and its token ids.
+
+Equal hashes mean equal prefixes, in any process on any host: the prefix cache, the router's
+prefix-aware policy and (later) the shared KV tiers all name blocks this way. So the bytes
+hashed are fixed: token ids as little-endian int64, whatever the host's byte order, and no
+per-process seed (Python's `hash()` would give every process its own address space).
+No torch here: the scheduler and the router use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+BlockHash = bytes
+
+ROOT_HASH = b"kvbaton-root"
+HASH_BYTES = 16
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 (array("q") is native-endian: swapped on big-endian hosts)."""
+    ids = array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """The hash of a full block of `token_ids` whose prefix ends in the block `parent` (None: the first)."""
+    digest = hashlib.blake2b(parent or ROOT_HASH, digest_size=HASH_BYTES)
+    digest.update(token_bytes(token_ids))
+    return digest.digest()
+
+
+def chained_block_hashes(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None,
+                         start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
+    """Hashes of the full blocks `start_block .. start_block + num_blocks` of `token_ids` (default: every full
+    block from `start_block`), chained from `parent`, the hash of block `start_block - 1`."""
+    end = len(token_ids) // block_size if num_blocks is None else start_block + num_blocks
+    out: list[BlockHash] = []
+    for i in range(start_block, end):
+        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
+    return out

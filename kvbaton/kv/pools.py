@@ -1,0 +1,71 @@
+"""One worker's KV pools: per layer, one tensor of `layout.pool_shape(num_blocks)`.
+
+The engine computes into `caches`; the KV transports read and write whole blocks of them. A pool
+set may live in shared memory (`shared` is then set), so a transport on the same host can read
+its blocks in place instead of copying them out first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from kvbaton.kv.layout import KVLayout, block_view, check_pool
+
+
+class SharedRegion(Protocol):
+    """Where a pool set lies in shared memory, for transports that read it from other processes."""
+
+    name: str  # the segment's name
+
+    def layer_offset(self, layer: int) -> int:
+        """Byte offset of layer `layer`'s pool in the segment."""
+        ...
+
+    def close(self) -> None:
+        """Give the segment's name back (the memory goes with its last mapping)."""
+        ...
+
+
+@dataclass
+class KVPools:
+    layout: KVLayout
+    caches: list[torch.Tensor]  # [num_layers] x layout.pool_shape(num_blocks)
+    shared: SharedRegion | None = None
+    _closed: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.caches) != self.layout.num_layers:
+            raise ValueError(f"{len(self.caches)} pools for a layout of {self.layout.num_layers} layers")
+        for cache in self.caches:
+            check_pool(cache, self.layout)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.caches[0].shape[0] // self.layout.block_size
+
+    def blocks(self, layer: int) -> torch.Tensor:
+        """Layer `layer` as [num_blocks, block_numel]: row b is block b."""
+        return block_view(self.caches[layer], self.layout)
+
+    def address(self, layer: int) -> int:
+        return self.caches[layer].data_ptr()
+
+    def close(self) -> None:
+        """Release a shared segment's name (idempotent); plain pools are freed with their tensors."""
+        if self.shared is not None and not self._closed:
+            self.shared.close()
+        self._closed = True
+
+
+# (layout, num_blocks) -> pools; e.g. in shared memory, for the shm transport's senders
+PoolAllocator = Callable[[KVLayout, int], KVPools]
+
+
+def allocate_pools(layout: KVLayout, num_blocks: int) -> KVPools:
+    """Zeroed pools in this process's own memory."""
+    caches = [torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+    return KVPools(layout, caches)
