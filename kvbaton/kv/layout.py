@@ -151,8 +151,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 def _component_diffs(ours: tuple[KVComponent, ...], theirs: tuple[KVComponent, ...]) -> list[str]:
     if tuple(c.name for c in ours) != tuple(c.name for c in theirs):
         return [f"components {'/'.join(c.name for c in ours)} vs {'/'.join(c.name for c in theirs)}"]
-    return [f"{a.name} {field} {getattr(a, field)} vs {getattr(b, field)}"
-            for a, b in zip(ours, theirs) for field in ("num_heads", "head_dim") if getattr(a, field) != getattr(b, field)]
+    return [f"{a.name} {name} {getattr(a, name)} vs {getattr(b, name)}"
+            for a, b in zip(ours, theirs) for name in ("num_heads", "head_dim") if getattr(a, name) != getattr(b, name)]
 
 
 def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
