@@ -34,15 +34,17 @@ import zmq
 
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender
 from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.rows import copy_rows
 from kvbaton.wire import SECRET_ENV
 
 LAYERS, BLOCK, HEADS, DIM = 30, 16, 3, 64
+LAYOUT = KVLayout.standard(num_layers=LAYERS, block_size=BLOCK, num_kv_heads=HEADS, head_dim=DIM, dtype="bfloat16")
 RESULTS = Path(__file__).parent / "results" / "kv-transfer.md"
 
 
-def pool_shape(num_blocks: int) -> tuple[int, int, int, int]:
-    return (num_blocks * BLOCK, 2, HEADS, DIM)
+def pool_shape(num_blocks: int) -> tuple[int, ...]:
+    return LAYOUT.pool_shape(num_blocks)
 
 
 def seeded_pools(seed: int, num_blocks: int, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
@@ -62,27 +64,24 @@ def emit(event: str, **fields) -> None:
 
 def run_sender(args: argparse.Namespace) -> None:
     """Send request after request on "go" lines from stdin, as a prefill worker would."""
-    handle = None
     if args.shm_pool == "shared":
-        from kvbaton.kv.connectors.shm import allocate_shared_kv_caches
+        from kvbaton.kv.connectors.shm.segments import allocate_shared_pools
 
-        pools, handle = allocate_shared_kv_caches(LAYERS, pool_shape(args.pool_blocks), torch.bfloat16, "kvbench")
-        seeded_pools(args.seed, args.pool_blocks, out=pools)
+        pools = allocate_shared_pools(LAYOUT, args.pool_blocks, "kvbench")
+        seeded_pools(args.seed, args.pool_blocks, out=pools.caches)
     else:
-        pools = seeded_pools(args.seed, args.pool_blocks)
-    layout = KVLayout.of(pools, BLOCK)
+        pools = KVPools(LAYOUT, seeded_pools(args.seed, args.pool_blocks))
     config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), redis_url=args.redis_url,
                              worker_name="kvbench-prefill")
-    sender = make_sender(config, layout, pools)
+    sender = make_sender(config, pools)
     emit("ready", zero_copy=getattr(sender, "zero_copy", None))
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "stop":
             break
-        emit("done", **_send_one(sender, layout, cmd))
+        emit("done", **_send_one(sender, LAYOUT, cmd))
     sender.close()
-    if handle is not None:
-        handle.close()
+    pools.close()  # unlinks a shared pool's segment
 
 
 def _send_one(sender, layout: KVLayout, cmd: dict) -> dict:
@@ -188,7 +187,7 @@ def memcpy_baselines(nbytes: int, src_ids: list[int], dst_ids: list[int], pool_b
     b = torch.zeros_like(a)
     src = seeded_pools(1, pool_blocks)
     dst = [torch.zeros_like(p) for p in src]
-    row = BLOCK * 2 * HEADS * DIM * 2
+    row = LAYOUT.block_bytes
 
     def scattered() -> None:
         for s, d in zip(src, dst):
@@ -226,9 +225,10 @@ def loopback_zmq(nbytes: int, secret: bytes, repeats: int, warmup: int) -> list[
 
 def bench_transport(transport: str, shm_pool: str, src_ids: list[int], dst_ids: list[int],
                     args: argparse.Namespace, secret: bytes) -> tuple[list[float], dict]:
-    dst_pools = [torch.zeros(pool_shape(args.pool_blocks), dtype=torch.bfloat16) for _ in range(LAYERS)]
+    dst = allocate_pools(LAYOUT, args.pool_blocks)
+    dst_pools = dst.caches
     config = ConnectorConfig(transport, secret, redis_url=args.redis_url, worker_name="kvbench-decode")
-    receiver = make_receiver(config, KVLayout.of(dst_pools, BLOCK), dst_pools)
+    receiver = make_receiver(config, dst)
     child = Child("--role", "sender", "--transport", transport, "--shm-pool", shm_pool, "--seed", str(args.seed),
                   "--pool-blocks", str(args.pool_blocks), *(["--redis-url", args.redis_url] if args.redis_url else []),
                   secret=secret)
@@ -331,7 +331,7 @@ def variants(transports: list[str], shm_pool: str) -> list[tuple[str, str, str]]
 
 def run_all(args: argparse.Namespace) -> None:
     secret = secrets.token_hex(32).encode()
-    per_block = LAYERS * BLOCK * 2 * HEADS * DIM * 2  # bytes of one block, all layers (bf16)
+    per_block = LAYOUT.bytes_per_block  # bytes of one block, all layers (bf16)
     count = max(1, round(args.mb * 1e6 / per_block))
     nbytes = count * per_block
     args.pool_blocks = 2 * count + 8
@@ -374,7 +374,7 @@ def write_report(args: argparse.Namespace, nbytes: int, count: int, baselines: d
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after (other people's jobs share this machine); "
         f"Python {platform.python_version()}, torch {torch.__version__}, pyzmq {zmq.__version__}.", "",
         f"Layout of the default model: {LAYERS} layers, block {BLOCK}, {HEADS} KV heads, head_dim {DIM}, bf16 "
-        f"({BLOCK * 2 * HEADS * DIM * 2} B per block per layer). Each transfer: {count} blocks x {LAYERS} layers = "
+        f"({LAYOUT.block_bytes} B per block per layer). Each transfer: {count} blocks x {LAYERS} layers = "
         f"{nbytes / 1e6:.1f} MB, sent layer by layer from a sender process into this process's pool; "
         f"{args.warmup} warm-up transfers, then {args.repeats} timed. GB/s = 1e9 bytes/s; medians, best in brackets.",
         "", "## Baselines (same run)", "", "| baseline | GB/s |", "|---|---|",

@@ -20,10 +20,7 @@ Writes benchmarks/results/pd-<date>.json and benchmarks/results/pd.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,8 +30,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+from common.machine import kvbaton_commit
+from common.prompts import fresh_seed
+from common.records import PdWorkload, SetupScore, to_json
+from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
+from common.servers import Server, free_port, kvbaton_server
 
 SETUPS = {
     "pd": ["--prefill", "1", "--decode", "1", "--threads", "1", "--kv-transport", "shm",
@@ -42,70 +42,39 @@ SETUPS = {
     "replicas": ["--decode", "2", "--threads", "1"],
     "single": ["--threads", "2", "--max-num-batched-tokens", "256"],
 }
+COMMON_ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--kv-cache-memory-gb", "2"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvbaton.cli", "serve", "--port", str(port), "--dtype", "bfloat16",
-           "--max-model-len", "4096", "--kv-cache-memory-gb", "2", *args]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: see {log}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise RuntimeError(f"server not healthy in time: see {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    """SIGTERM the server (its workers exit with it); SIGKILL its process group if it lingers."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def run_load(base: str, args, out_json: Path, tokenizer_dir: str) -> dict:
+def run_load(base: str, w: PdWorkload, out_json: Path, tokenizer_dir: str) -> dict:
     cmd = [sys.executable, "-m", "kvbaton.cli", "bench", "serve", "--base-url", base, "--dataset", "mixed",
-           "--num-prompts", str(args.num_prompts), "--long-fraction", str(args.long_fraction),
-           "--long-input-len", str(args.long_len), "--short-input-len", str(args.short_len),
-           "--output-len", str(args.output_len), "--ignore-eos", "--request-rate", str(args.rate),
-           "--seed", str(args.seed), "--tokenizer", tokenizer_dir, "--num-warmups", "2",
+           "--num-prompts", str(w.num_prompts), "--long-fraction", str(w.long_fraction),
+           "--long-input-len", str(w.long_len), "--short-input-len", str(w.short_len),
+           "--output-len", str(w.output_len), "--ignore-eos", "--request-rate", str(w.rate),
+           "--seed", str(w.seed), "--tokenizer", tokenizer_dir, "--num-warmups", "2",
            "--result-json", str(out_json), "--no-progress"]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(out_json.read_text())["runs"][0]
+    return read_json(out_json)["runs"][0]
 
 
-def score(run: dict, tpot_slos_ms: list[float], ttft_slo_ms: float) -> dict:
+def score(run: dict, w: PdWorkload, server_args: list[str], workers: list) -> SetupScore:
     ok = [r for r in run["records"] if r["status"] == "ok"]
+
+    def tpot_ms(r: dict) -> float:
+        return (r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) * 1e3
+
     ttft = np.array([r["ttft_s"] * 1e3 for r in ok])
-    tpot = np.array([(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) * 1e3 for r in ok
-                     if r["output_tokens"] > 1])
+    tpot = np.array([tpot_ms(r) for r in ok if r["output_tokens"] > 1])
     duration = run["summary"]["duration_s"]
-    row = {"completed": len(ok), "planned": len(run["records"]), "duration_s": duration,
-           "ttft_p50": float(np.percentile(ttft, 50)), "ttft_p99": float(np.percentile(ttft, 99)),
-           "tpot_p50": float(np.percentile(tpot, 50)), "tpot_p99": float(np.percentile(tpot, 99)),
-           "out_tok_s": run["summary"]["output_throughput"], "goodput": {}}
-    for slo in tpot_slos_ms:
-        good = sum(1 for r in ok if r["output_tokens"] > 1 and r["ttft_s"] * 1e3 <= ttft_slo_ms
-                   and (r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) * 1e3 <= slo)
-        row["goodput"][str(slo)] = good / duration
-    return row
+    goodput = {}
+    for slo in w.tpot_slos_ms:
+        good = sum(1 for r in ok if r["output_tokens"] > 1 and r["ttft_s"] * 1e3 <= w.ttft_slo_ms
+                   and tpot_ms(r) <= slo)
+        goodput[str(slo)] = good / duration
+    return SetupScore(completed=len(ok), planned=len(run["records"]), duration_s=duration,
+                      ttft_p50=float(np.percentile(ttft, 50)), ttft_p99=float(np.percentile(ttft, 99)),
+                      tpot_p50=float(np.percentile(tpot, 50)), tpot_p99=float(np.percentile(tpot, 99)),
+                      out_tok_s=run["summary"]["output_throughput"], goodput=goodput, server_args=server_args,
+                      workers=workers)
 
 
 def write_report(doc: dict, path: Path) -> None:
@@ -142,59 +111,66 @@ def write_report(doc: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+def parse_args() -> PdWorkload:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--setups", default="pd,replicas,single")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--rate", type=float, default=None)
-    ap.add_argument("--seed", type=int, default=int(time.time()) % 100000)
+    ap.add_argument("--seed", type=int, default=None, help="workload seed (default: fresh random, printed)")
     ap.add_argument("--tpot-slos-ms", default="150,300", help="comma-separated TPOT SLOs for goodput")
     args = ap.parse_args()
-    args.num_prompts = args.num_prompts or (16 if args.quick else 40)
-    # NOTE: below saturation on 2 cores (at 1 req/s every set-up queues and TPOT is queueing, not
-    # interference); the question is what a long prefill does to the decodes around it.
-    args.rate = args.rate or 0.4
-    args.long_fraction, args.long_len, args.short_len = 0.15, (512 if args.quick else 1024), 64
-    args.output_len = 32 if args.quick else 64
-    args.tpot_slos_ms, args.ttft_slo_ms = [float(x) for x in args.tpot_slos_ms.split(",")], 10_000.0
+    # NOTE: the rate is below saturation on 2 cores (at 1 req/s every set-up queues and TPOT is
+    # queueing, not interference); the question is what a long prefill does to the decodes around it.
+    return PdWorkload(quick=args.quick, setups=args.setups, num_prompts=args.num_prompts or (16 if args.quick else 40),
+                      rate=args.rate or 0.4, seed=fresh_seed() if args.seed is None else args.seed,
+                      tpot_slos_ms=[float(x) for x in args.tpot_slos_ms.split(",")], long_fraction=0.15,
+                      long_len=512 if args.quick else 1024, short_len=64, output_len=32 if args.quick else 64,
+                      ttft_slo_ms=10_000.0)
 
-    sys.path.insert(0, str(ROOT))
+
+def run_setup(name: str, w: PdWorkload, run_stamp: str, model_dir: str) -> dict:
+    """One set-up: start it, drive it, score it, stop it by PID."""
+    print(f"== {name}: kvbaton serve {' '.join(SETUPS[name])}", flush=True)
+    port = free_port()
+    # NOTE: the servers get this environment as it is (no thread variables): each set-up splits
+    # the cores itself with --threads, per worker.
+    spec = kvbaton_server(name=f"kvbaton serve ({name})", port=port, serve_args=[*COMMON_ARGS, *SETUPS[name]],
+                          log_path=RESULTS_DIR / f"pd-{run_stamp}-{name}.log", env=dict(os.environ),
+                          timeout_s=300, health_path="/health")
+    try:
+        with Server(spec) as server:
+            run = run_load(server.base_url, w, RESULTS_DIR / f"pd-{run_stamp}-{name}-load.json", model_dir)
+            workers = httpx.get(f"{server.base_url}/workers", timeout=5, trust_env=False).json()["workers"]
+            row = score(run, w, SETUPS[name], workers)
+    except RuntimeError as exc:  # did not start
+        return {"error": str(exc)}
+    except (subprocess.CalledProcessError, KeyError, ValueError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    print(f"   TTFT p50/p99 {row.ttft_p50:.0f}/{row.ttft_p99:.0f} ms, TPOT p50/p99 "
+          f"{row.tpot_p50:.1f}/{row.tpot_p99:.1f} ms, goodput {row.goodput}", flush=True)
+    return to_json(row)
+
+
+def main() -> None:
+    w = parse_args()
+    print(f"bench_pd: seed {w.seed}", flush=True)
     from kvbaton.models.registry import pull_default_model
 
     model_dir = str(pull_default_model())
     started = datetime.now()
-    stamp = started.strftime("%Y-%m-%d-%H%M%S")
-    doc = {"started": started.isoformat(timespec="seconds"), "command": " ".join(["python", *sys.argv]),
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=ROOT).stdout.strip(), "args": vars(args), "setups": {}}
+    run_stamp = stamp(started)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    doc = {"started": started.isoformat(timespec="seconds"), "command": command_line("bench_pd.py", sys.argv[1:]),
+           "commit": kvbaton_commit(), "args": to_json(w), "setups": {}}
     t0 = time.monotonic()
-    for name in args.setups.split(","):
-        print(f"== {name}: kvbaton serve {' '.join(SETUPS[name])}", flush=True)
-        log = RESULTS / f"pd-{stamp}-{name}.log"
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        try:
-            proc, base = start_server(SETUPS[name], log)
-        except RuntimeError as exc:
-            doc["setups"][name] = {"error": str(exc)}
-            continue
-        try:
-            run = run_load(base, args, RESULTS / f"pd-{stamp}-{name}-load.json", model_dir)
-            doc["setups"][name] = score(run, args.tpot_slos_ms, args.ttft_slo_ms) | {"server_args": SETUPS[name]}
-            workers = httpx.get(f"{base}/workers", timeout=5).json()
-            doc["setups"][name]["workers"] = workers["workers"]
-            r = doc["setups"][name]
-            print(f"   TTFT p50/p99 {r['ttft_p50']:.0f}/{r['ttft_p99']:.0f} ms, TPOT p50/p99 "
-                  f"{r['tpot_p50']:.1f}/{r['tpot_p99']:.1f} ms, goodput {r['goodput']}", flush=True)
-        except (subprocess.CalledProcessError, KeyError, ValueError) as exc:
-            doc["setups"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            stop_server(proc)
+    for name in w.setups.split(","):
+        doc["setups"][name] = run_setup(name, w, run_stamp, model_dir)
     doc["wall_s"] = time.monotonic() - t0
-    out = RESULTS / f"pd-{stamp}.json"
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    write_report(doc, RESULTS / ("pd-quick.md" if args.quick else "pd.md"))
-    print((RESULTS / ("pd-quick.md" if args.quick else "pd.md")).read_text())
+    write_json(RESULTS_DIR / f"pd-{run_stamp}.json", doc, indent=1)
+    md = RESULTS_DIR / ("pd-quick.md" if w.quick else "pd.md")
+    write_report(doc, md)
+    print(md.read_text())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Where an offline run's time goes, by step kind: prefill-carrying steps vs pure decode steps.
 
 Runs bench_engine's offline workload (random 512-token prompts, 128 output tokens, ignore_eos,
-greedy) through `LLM.generate` and times every model step (`ModelRunner.execute`), so a kernel
-change can be judged on the steps it targets. Not a peer comparison: see bench_engine.py.
+greedy; for the same --seed, the very prompts of its throughput run) through `LLM.generate` and
+times every model step (`ModelRunner.execute`), so a kernel change can be judged on the steps it
+targets. Not a peer comparison: see bench_engine.py.
 
     .venv/bin/python benchmarks/profile_steps.py               # 64 prompts, bf16, 2 threads
     .venv/bin/python benchmarks/profile_steps.py --prompts 16
@@ -11,13 +12,13 @@ change can be judged on the steps it targets. Not a peer comparison: see bench_e
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from collections import defaultdict
 
 import torch
 
+from common.prompts import make_prompts
 from kvbaton import LLM, SamplingParams
 from kvbaton.engine.model_runner import ModelRunner
 
@@ -33,9 +34,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, num_threads=args.threads)
-    rng = random.Random(args.seed)
-    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.prompt_len)]}
-               for _ in range(args.prompts)]
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [{"prompt_token_ids": p}
+               for p in make_prompts(args.seed, "throughput", args.prompts, args.prompt_len, vocab)]
     steps: list[tuple[int, int, float]] = []  # (tokens, decodes, seconds)
     execute = ModelRunner.execute
 

@@ -1,4 +1,4 @@
-"""`kvbaton` command line: generate | model pull.
+"""`kvbaton` command line: serve | generate | bench | workers | model.
 
 Errors a user can cause (bad model path, bad sampling values, over-long prompt) are
 printed as one line on stderr with exit status 2, never as a traceback.
@@ -11,10 +11,14 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from kvbaton.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.models.registry import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from kvbaton.cluster.deploy import DeploymentSpec
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -68,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd = serve.add_argument_group("disaggregation (prefill/decode worker pools behind a router)")
     pd.add_argument("--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill themselves)")
     pd.add_argument("--decode", type=int, default=0,
-                    help="decode workers (with --prefill 0: colocated replicas; 0 and 0: one in-process-style engine)")
+                    help="decode workers (with --prefill 0: colocated replicas; 0 and 0: one colocated worker)")
     pd.add_argument("--kv-transport", default="shm", choices=["shm", "tcp", "redis", "mooncake"])
     pd.add_argument("--redis-url", default=None, help="for --kv-transport redis (default: start a local redis-server)")
     pd.add_argument("--routing", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_aware"])
@@ -118,15 +122,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
+    from kvbaton.cluster.deploy import Backend, DeploymentSpec
+    from kvbaton.disagg.router import RouterConfig
+
+    router = RouterConfig(prefill_policy=args.routing, decode_policy=args.routing,
+                          local_prefill_threshold=args.local_prefill_threshold,
+                          transfer_deadline_s=args.transfer_timeout)
+    return DeploymentSpec(num_prefill=args.prefill, num_decode=max(args.decode, 1), kv_transport=args.kv_transport,
+                          redis_url=args.redis_url, backend=Backend(args.backend), ray_address=args.address,
+                          router=router)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvbaton.server.launch import ServeOptions, serve
 
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                            api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                           prefill=args.prefill, decode=args.decode, kv_transport=args.kv_transport,
-                           redis_url=args.redis_url, routing=args.routing,
-                           local_prefill_threshold=args.local_prefill_threshold,
-                           transfer_timeout_s=args.transfer_timeout, backend=args.backend, ray_address=args.address)
+                           deployment=deployment_from_args(args))
     return serve(engine_config_from_args(args), options)
 
 

@@ -5,9 +5,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 py=${PYTHON:-python3}
 
-# System packages the KV transport tests need: redis-server (redis transport) and the shared
-# libraries the Mooncake engine links even for TCP (libibverbs1 above all). Installed only when
-# missing; without apt-get or root they stay missing and those tests skip, saying why.
+# System packages the KV transports need: redis-server (redis transport) and the shared libraries
+# the Mooncake engine links even for TCP (libibverbs1 above all). Installed only when missing;
+# without apt-get or root they stay missing, and the tests that need them fail saying what is absent.
 libs=$(ldconfig -p 2>/dev/null || /sbin/ldconfig -p 2>/dev/null || true)
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -18,9 +18,9 @@ if [ ${#need[@]} -gt 0 ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "setup.sh: apt-get install ${need[*]}" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"; } >/dev/null \
-      || echo "setup.sh: could not install ${need[*]}; the tests that need them will skip" >&2
+      || echo "setup.sh: could not install ${need[*]}; the tests that need them will fail" >&2
   else
-    echo "setup.sh: missing ${need[*]} (no apt-get, or not root); the tests that need them will skip" >&2
+    echo "setup.sh: missing ${need[*]} (no apt-get, or not root); the tests that need them will fail" >&2
   fi
 fi
 

@@ -5,5 +5,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 bash scripts/setup.sh
 .venv/bin/ruff check .
+.venv/bin/lint-imports --no-cache --no-logo  # the layers hold ([tool.importlinter] in pyproject.toml)
+.venv/bin/mypy                               # the package type-checks ([tool.mypy] in pyproject.toml)
 .venv/bin/kvbaton model pull >/dev/null
 exec .venv/bin/python -m pytest -q "$@"

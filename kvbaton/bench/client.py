@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import httpx
 
@@ -85,6 +86,16 @@ def fetch_model_name(base_url: str, api_key: str | None = None) -> str:
         raise BenchError(f"cannot ask {base_url}/v1/models for a model name ({exc}); pass --model") from exc
 
 
+class _RecordBase(TypedDict):
+    """The fields every record of one request starts from, however the request ends."""
+
+    request_id: int
+    prompt_len: int
+    output_len: int
+    scheduled_s: float
+    send_s: float
+
+
 class _StreamTimer:
     """Accumulates one response stream: first-chunk time, inter-chunk gaps, usage."""
 
@@ -119,8 +130,8 @@ async def send_request(client: httpx.AsyncClient, target: Target, req: BenchRequ
                        scheduled_s: float) -> RequestRecord:
     """Send `req`, stream its answer, and time it; never raises except on cancellation."""
     start = time.perf_counter()
-    base = dict(request_id=req.request_id, prompt_len=req.prompt_len, output_len=req.output_len,
-                scheduled_s=scheduled_s, send_s=start - run_start)
+    base = _RecordBase(request_id=req.request_id, prompt_len=req.prompt_len, output_len=req.output_len,
+                       scheduled_s=scheduled_s, send_s=start - run_start)
     attempts = 0
     while True:
         attempts += 1
@@ -140,7 +151,7 @@ class _NoResponseError(Exception):
 
 
 async def _stream_once(client: httpx.AsyncClient, target: Target, req: BenchRequest, timer: _StreamTimer,
-                       base: dict, attempts: int) -> RequestRecord:
+                       base: _RecordBase, attempts: int) -> RequestRecord:
     request = client.build_request("POST", target.url, json=target.payload(req), headers=target.headers())
     try:
         resp = await client.send(request, stream=True)
@@ -170,11 +181,11 @@ async def _read_stream(resp: httpx.Response, timer: _StreamTimer) -> None:
         timer.on_event(parse_event(tail), time.perf_counter())
 
 
-def _finish(timer: _StreamTimer, req: BenchRequest, base: dict, attempts: int) -> RequestRecord:
+def _finish(timer: _StreamTimer, req: BenchRequest, base: _RecordBase, attempts: int) -> RequestRecord:
     e2e = (timer.end or time.perf_counter()) - timer.start
     usage = timer.usage or {}
     error = timer.error or ("" if timer.finished else "stream ended before a finish_reason or [DONE]")
-    fields = {**base, "prompt_len": usage.get("prompt_tokens") or req.prompt_len}
+    fields: _RecordBase = {**base, "prompt_len": usage.get("prompt_tokens") or req.prompt_len}
     return RequestRecord(**fields, status="error" if error else "ok", ttft_s=timer.ttft, e2e_s=e2e,
                          itl_s=tuple(timer.itl), output_tokens=usage.get("completion_tokens") or timer.chunks,
                          http_status=200, error=error, attempts=attempts)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from kvbaton.bench.errors import BenchError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DATASETS = ("random", "shared-prefix", "mixed")
 
@@ -92,7 +95,7 @@ class WordPrompts:
 class TokenizerPrompts:
     """Random (non-special) token ids decoded with the served model's tokenizer."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         special = set(tokenizer.all_special_ids)
         self.token_ids = np.array([i for i in range(len(tokenizer)) if i not in special])
@@ -104,12 +107,18 @@ class TokenizerPrompts:
         return cls(AutoTokenizer.from_pretrained(path))
 
     def make(self, rng: np.random.Generator, num_tokens: int) -> tuple[str, int]:
-        text = self.tokenizer.decode(rng.choice(self.token_ids, num_tokens).tolist())
+        text = self._decode(rng.choice(self.token_ids, num_tokens).tolist())
         # NOTE: decode->encode is not an identity (neighbouring pieces merge), so cut the
         # re-encoded ids to length once and report the length actually measured.
         ids = self.tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
-        text = self.tokenizer.decode(ids)
+        text = self._decode(ids)
         return text, len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        text = self.tokenizer.decode(token_ids)  # typed `str | list[str]`: a list only for batched ids
+        if not isinstance(text, str):
+            raise TypeError(f"expected one string from the tokenizer, got {type(text).__name__}")
+        return text
 
 
 def sample_lengths(rng: np.random.Generator, mean: int, range_ratio: float, n: int) -> np.ndarray:

@@ -7,13 +7,19 @@ through pyplot, so no GUI backend or global figure state is touched.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvbaton.bench.metrics import SLO, Summary
 from kvbaton.bench.records import RunResult
 from kvbaton.bench.report import rate_label, slo_label
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def write_plots(plot_dir: str | Path, results: list[RunResult], summaries: list[Summary], slo: SLO) -> list[Path]:
@@ -29,11 +35,11 @@ def write_plots(plot_dir: str | Path, results: list[RunResult], summaries: list[
     return paths
 
 
-def _figure(ncols: int = 1):
+def _figure(ncols: int = 1) -> tuple[Figure, Sequence[Axes]]:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(5.0 * ncols, 4.0), layout="constrained")
-    return fig, fig.subplots(1, ncols, squeeze=False)[0]
+    return fig, fig.subplots(1, ncols, squeeze=False)[0]  # a 1-D object array of Axes, used as a sequence
 
 
 def _latencies_ms(result: RunResult) -> dict[str, list[float]]:
@@ -70,7 +76,7 @@ def plot_goodput(path: Path, summaries: list[Summary]) -> Path:
     rates = [s.request_rate for s in summaries]
     ax.plot(rates, [s.request_throughput for s in summaries], marker="o", label="throughput (completed req/s)")
     if summaries[0].goodput is not None:
-        ax.plot(rates, [s.goodput for s in summaries], marker="s", label="goodput (req/s meeting SLO)")
+        ax.plot(rates, _slo_series([s.goodput for s in summaries]), marker="s", label="goodput (req/s meeting SLO)")
     ax.plot(rates, rates, color="gray", linestyle=":", label="offered load")
     ax.set(title="Goodput vs request rate", xlabel="request rate (req/s)", ylabel="req/s")
     ax.grid(alpha=0.3)
@@ -81,9 +87,14 @@ def plot_goodput(path: Path, summaries: list[Summary]) -> Path:
 
 def plot_attainment(path: Path, summaries: list[Summary], slo: SLO) -> Path:
     fig, (ax,) = _figure()
-    ax.plot([s.request_rate for s in summaries], [s.slo_attainment for s in summaries], marker="o")
+    ax.plot([s.request_rate for s in summaries], _slo_series([s.slo_attainment for s in summaries]), marker="o")
     ax.set(title=f"SLO attainment ({slo_label(slo)})", xlabel="request rate (req/s)",
            ylabel="fraction of requests meeting SLO", ylim=(0, 1.02))
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110)
     return path
+
+
+def _slo_series(values: list[float | None]) -> list[float]:
+    """Goodput or attainment per run: set for every run when an SLO is; a None would plot as a gap."""
+    return [math.nan if v is None else v for v in values]

@@ -85,7 +85,7 @@ def result_document(config: dict, results: list[RunResult], summaries: list[Summ
     """Everything needed to re-plot or re-score a run: config (with seed), per-request records, summaries."""
     runs = [{"request_rate": r.request_rate, "summary": asdict(s), "records": [rec.to_dict() for rec in r.records]}
             for r, s in zip(results, summaries)]
-    return _jsonable({"config": config, "runs": runs})
+    return _jsonable_dict({"config": config, "runs": runs})
 
 
 def write_result_json(path: str | Path, document: dict) -> None:
@@ -99,7 +99,11 @@ def _jsonable(obj: object) -> object:
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _jsonable(v) for k, v in obj.items()}
+        return _jsonable_dict(obj)
     if isinstance(obj, (list, tuple)):
         return [_jsonable(v) for v in obj]
     return obj
+
+
+def _jsonable_dict(d: dict) -> dict:
+    return {k: _jsonable(v) for k, v in d.items()}

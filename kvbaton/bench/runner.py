@@ -11,6 +11,7 @@ import asyncio
 import math
 import time
 
+import httpx
 import numpy as np
 from tqdm import tqdm
 
@@ -37,8 +38,8 @@ async def run_load(target: Target, requests: list[BenchRequest], arrivals: Arriv
     return RunResult(arrivals.request_rate, arrivals.max_concurrency, end - start, len(requests), records)
 
 
-async def _issue(client, target: Target, requests: list[BenchRequest], offsets: list[float], start: float,
-                 deadline: float, limit: asyncio.Semaphore | None,
+async def _issue(client: httpx.AsyncClient, target: Target, requests: list[BenchRequest], offsets: list[float],
+                 start: float, deadline: float, limit: asyncio.Semaphore | None,
                  bar: tqdm) -> dict[asyncio.Task, tuple[BenchRequest, float]]:
     tasks: dict[asyncio.Task, tuple[BenchRequest, float]] = {}
     for req, offset in zip(requests, offsets):
@@ -52,7 +53,7 @@ async def _issue(client, target: Target, requests: list[BenchRequest], offsets: 
     return tasks
 
 
-async def _send(client, target: Target, req: BenchRequest, start: float, offset: float,
+async def _send(client: httpx.AsyncClient, target: Target, req: BenchRequest, start: float, offset: float,
                 limit: asyncio.Semaphore | None) -> RequestRecord:
     if limit is None:
         return await send_request(client, target, req, start, offset)

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
-from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
-from kvbaton.wire import SECRET_ENV
+from kvbaton.cluster.worker_env import worker_env
+from kvbaton.disagg.spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -26,8 +25,8 @@ class LocalWorker:
 class LocalLauncher:
     """One `python -m kvbaton.disagg.worker` process per worker, titled `kvbaton-<role>-<index>`.
 
-    The cluster secret and the spec (which may hold a Redis password) go through the
-    environment, never the command line (`ps` shows argv to everyone)."""
+    Implements `kvbaton.disagg.launcher.Launcher`. The cluster secret and the spec reach the
+    worker through its environment (`worker_env`), never its command line."""
 
     backend = "local"
 
@@ -36,21 +35,21 @@ class LocalLauncher:
         self.log_dir = log_dir  # None: workers log to this process's stderr
         self.workers: dict[str, LocalWorker] = {}
 
+    def start(self) -> str:
+        """Nothing to bring up: every worker runs on this machine, so the router listens on loopback."""
+        return LOOPBACK
+
     def launch(self, spec: WorkerSpec) -> None:
         cmd = [sys.executable, "-m", "kvbaton.disagg.worker", "--exit-with-parent"]
-        env = {**os.environ, SECRET_ENV: self._secret.decode(), SPEC_ENV: msgspec.json.encode(spec).decode(),
-               "TOKENIZERS_PARALLELISM": "false"}
-        threads = spec.engine.num_threads
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
         log = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"{spec.name}.log", "ab")  # noqa: SIM115 - the child keeps it open
-        self.workers[spec.name] = LocalWorker(spec, subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
+        proc = subprocess.Popen(cmd, env=worker_env(spec, self._secret), stdout=log, stderr=log)
+        self.workers[spec.name] = LocalWorker(spec, proc)
         if log is not None:
             log.close()
-        logger.info("started %s (pid %d)", spec.name, self.workers[spec.name].proc.pid)
+        logger.info("started %s (pid %d)", spec.name, proc.pid)
 
     def is_alive(self, name: str) -> bool:
         worker = self.workers.get(name)
@@ -81,3 +80,7 @@ class LocalLauncher:
     def stop_all(self, timeout_s: float = 10.0) -> None:
         for name in list(self.workers):
             self.stop(name, timeout_s)
+
+    def close(self) -> None:
+        """Kill every worker still running (those told to shut down have had `stop_all` already)."""
+        self.stop_all(timeout_s=0)

@@ -22,7 +22,7 @@ class Phase(enum.Enum):
     DECODING = "decoding"  # on the decode worker (after a transfer, or prefilled locally)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Flight:
     request_id: str
     prompt_token_ids: list[int]
@@ -35,6 +35,7 @@ class Flight:
     prefill: str | None = None  # worker names of the current attempt
     decode: str | None = None
     num_cached_tokens: int | None = None  # from the first attempt; what `usage` reports
+    finished: bool = False  # the client has its last output: late outputs of the attempt are dropped
 
     @property
     def attempt_id(self) -> str:

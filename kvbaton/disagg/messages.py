@@ -5,24 +5,26 @@
     worker -> router:  WorkerHello, Heartbeat, WorkerOutputs, RequestFailed, ReceiveReady, ReceiveRefused,
                        TransferFailed, Drained, IntegrityReport
 
-Request ids on this channel are the router's *attempt* ids (`<client id>.<attempt>`), so when
+Request ids on this channel are the router's *attempt* ids (`<client id>#<attempt>`), so when
 a request is re-dispatched after a failure, late messages about an earlier attempt are told
-apart and dropped.
+apart and dropped. Each message's kind is its msgspec tag; records of more than four fields are
+built with keywords.
 """
 
 from __future__ import annotations
 
 import msgspec
 
+from kvbaton.disagg.spec import WorkerRole
 from kvbaton.engine.info import EngineInfo, EngineStats
-from kvbaton.engine.outputs import EngineCoreOutput, RemoteDecode
+from kvbaton.engine.outputs import EngineCoreOutput, FinishReason, RemoteDecode
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.kv.layout import KVLayout
 
 # ---- router -> worker ----------------------------------------------------------------------
 
 
-class AddRequest(msgspec.Struct, tag="add"):
+class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     """Compute this request here. With `remote_decode`, only its prompt (prefill role)."""
 
     request_id: str
@@ -32,7 +34,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     remote_decode: RemoteDecode | None = None
 
 
-class PrepareReceive(msgspec.Struct, tag="prepare"):
+class PrepareReceive(msgspec.Struct, tag="prepare", kw_only=True):
     """Decode role: reserve blocks for this prompt's KV; answer ReceiveReady or ReceiveRefused."""
 
     request_id: str
@@ -55,7 +57,7 @@ class CancelReceive(msgspec.Struct, tag="cancel"):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
-    reason: str = "abort"  # "abort" | "stop" (the frontend saw a stop string)
+    reason: FinishReason = FinishReason.ABORT  # ABORT (client gone) | STOP (the frontend saw a stop string)
 
 
 class Drain(msgspec.Struct, tag="drain"):
@@ -81,9 +83,9 @@ class WorkerLoad(msgspec.Struct):
     num_sending: int  # prefill role: transfers being sent
 
 
-class WorkerHello(msgspec.Struct, tag="hello"):
+class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
     name: str
-    role: str
+    role: WorkerRole
     index: int
     pid: int
     address: str  # the worker's command socket

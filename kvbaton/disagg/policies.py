@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from kvbaton.kv.hashing import chained_block_hashes
@@ -108,7 +109,8 @@ class PrefixAware(Policy):
         self.index.forget(worker_name)
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefix_aware": PrefixAware}
+POLICIES: dict[str, Callable[[int], Policy]] = {"round_robin": RoundRobin, "least_loaded": LeastLoaded,
+                                               "prefix_aware": PrefixAware}
 
 
 def make_policy(name: str, block_size: int) -> Policy:

@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from kvbaton.config import EngineConfig
 
 SPEC_ENV = "KVBATON_WORKER_SPEC"  # how a launcher hands a worker its spec (never argv: `ps` shows argv)
-ROLES = ("prefill", "decode", "both")  # "both": a colocated worker (prefills and decodes its own requests)
 
 
-class ConnectorSpec(msgspec.Struct, frozen=True):
+class WorkerRole(str, enum.Enum):
+    """What a worker does with a request. A `str` enum: serialised as its value."""
+
+    PREFILL = "prefill"  # computes prompts and sends their KV to a decode worker
+    DECODE = "decode"  # receives prompts' KV and decodes (or prefills short prompts itself)
+    BOTH = "both"  # colocated: prefills and decodes its own requests
+
+    @property
+    def decodes(self) -> bool:
+        return self in (WorkerRole.DECODE, WorkerRole.BOTH)
+
+
+class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
     transport: str = "shm"  # see kvbaton.kv.connectors.TRANSPORTS
     host: str = "127.0.0.1"  # address the worker's KV receiver binds to
     redis_url: str | None = None
     redis_ttl_s: int = 60
 
 
-class WorkerSpec(msgspec.Struct, frozen=True):
-    role: str  # one of ROLES
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    role: WorkerRole
     index: int  # unique within its role: the process is titled kvbaton-{role}-{index}
     engine: EngineConfig
     router: str  # tcp://host:port the worker connects to and pushes its events to
@@ -26,10 +39,14 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     connector: ConnectorSpec = ConnectorSpec()
     heartbeat_s: float = 0.5
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, WorkerRole):
+            raise ValueError(f"role must be one of {', '.join(r.value for r in WorkerRole)}, not {self.role!r}")
+
     @property
     def name(self) -> str:
-        return f"kvbaton-{self.role}-{self.index}"
+        return worker_name(self.role, self.index)
 
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, not {self.role!r}")
+
+def worker_name(role: WorkerRole, index: int) -> str:
+    return f"kvbaton-{role.value}-{index}"

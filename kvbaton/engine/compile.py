@@ -10,12 +10,20 @@ from __future__ import annotations
 import torch
 
 from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.layers.mlp import MLP
 
 
 def compile_model(runner: ModelRunner) -> None:
-    for layer in runner.model.layers:
-        # NOTE: a compiled graph cannot call the ctypes kernels; inside it, inductor's own code runs.
-        for linear in (layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            linear.small_batch_kernel = linear.packed = None
-        layer.mlp.fused_gate_up = None
-        layer.mlp.forward = torch.compile(layer.mlp.forward, dynamic=True, fullgraph=True)
+    for mlp in runner.model.modules():
+        if isinstance(mlp, MLP):
+            _compile_mlp(mlp)
+
+
+def _compile_mlp(mlp: MLP) -> None:
+    # NOTE: a compiled graph cannot call the ctypes kernels; inside it, inductor's own code runs.
+    for linear in (mlp.gate_up_proj, mlp.down_proj):
+        linear.small_batch_kernel = linear.packed = None
+    mlp.fused_gate_up = None
+    # NOTE: only this instance's forward is replaced (Module.compile would wrap __call__, hook dispatch and all);
+    # mypy rejects assigning to a method, hence the ignore.
+    mlp.forward = torch.compile(mlp.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]

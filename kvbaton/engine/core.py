@@ -1,11 +1,15 @@
-"""The engine core: scheduler + model runner over one paged KV pool. It knows token ids,
-never text, so the same core runs in-process (`LLMEngine`) or as a worker process driven
-over ZeroMQ (`kvbaton.engine.core_proc`)."""
+"""The engine core: scheduler + model runner over one paged KV pool, and (in a disaggregated
+worker) the KV hand-off to or from other workers. It knows token ids, never text, so the same
+core runs in-process (`LLMEngine`) or inside a worker process (`kvbaton.disagg.worker`).
+
+Process-wide settings (thread count, GC freezing) are not made here but by the process entry
+points (`kvbaton.platform.process`): a core is one object, not the process.
+"""
 
 from __future__ import annotations
 
-import gc
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,13 +17,18 @@ import torch
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
-from kvbaton.engine.model_runner import ModelRunner, kv_layout
-from kvbaton.engine.outputs import EngineCoreOutput
+from kvbaton.engine.model_runner import ModelRunner
+from kvbaton.engine.outputs import FinishReason, StepResult, TransferFailure
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.scheduler import Scheduler
-from kvbaton.kv.pools import PoolAllocator, allocate_pools
+from kvbaton.engine.transfers import KVHandoff, Reservation
+from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
+from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.pools import allocate_pools
 from kvbaton.layers.compute_paths import set_compute_paths
+from kvbaton.models.llama import LlamaForCausalLM
 from kvbaton.models.loader import load_model
+from kvbaton.platform.cpu import has_native_bf16
 
 logger = logging.getLogger(__name__)
 
@@ -29,22 +38,33 @@ UPCAST_MIN_ROWS = 16
 FP32_WEIGHT_COPY_MAX_BYTES = 2**30
 
 
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How a disaggregated worker's engine moves KV: over `connector`, sending (prefill role) and/or
+    receiving (decode role)."""
+
+    connector: ConnectorConfig
+    send: bool = False
+    receive: bool = False
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def has_native_bf16() -> bool:
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+def model_kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
+    """What the Llama family caches: K and V of every KV head, per layer."""
+    return KVLayout.standard(num_layers=cfg.num_hidden_layers, block_size=block_size,
+                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             dtype=str(dtype).removeprefix("torch."))
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: tuple[int, ...],
-                 kv_allocator: PoolAllocator = allocate_pools) -> None:
+                 kv_transfer: KVTransferConfig | None = None) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype)
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         limit = self.model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or limit, limit)
         model = load_model(model_dir, self.dtype, max_model_len)
@@ -54,7 +74,7 @@ class EngineCore:
             set_compute_paths(model, UPCAST_MIN_ROWS, config.kernels,
                               keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES)
         block_size = config.cache.block_size
-        self.kv_layout = kv_layout(self.model_config, block_size, self.dtype)
+        self.kv_layout = model_kv_layout(self.model_config, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.kv_cache_memory_gb * 2**30 // self.kv_layout.bytes_per_block))
         self.info = EngineInfo(max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,
@@ -64,17 +84,25 @@ class EngineCore:
                                eos_token_ids=eos_token_ids)
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
-        self.runner = ModelRunner(model, self.kv_layout, num_blocks, config.seed, eos_token_ids,
-                                  use_kernels=config.kernels, kv_allocator=kv_allocator)
+        self.handoff, self.runner = self._build_runner(model, num_blocks, kv_transfer)
         if config.compile:
             from kvbaton.engine.compile import compile_model
 
             compile_model(self.runner)
-        # NOTE: everything allocated so far (modules, weights, tokenizer tables) lives as long as the
-        # engine: move it out of the cyclic GC's sight, or every collection walks it again
-        # (measured: ~1/4 of a batch-1 decode step on the default model).
-        gc.collect()
-        gc.freeze()
+
+    def _build_runner(self, model: LlamaForCausalLM, num_blocks: int,
+                      transfer: KVTransferConfig | None) -> tuple[KVHandoff, ModelRunner]:
+        """The pools first (a sending transport may want them in shared memory), then the connector
+        halves over them, then the runner that computes into them and sends from them."""
+        allocate = allocate_pools if transfer is None else pool_allocator(transfer.connector, sending=transfer.send)
+        pools = allocate(self.kv_layout, num_blocks)
+        sender = make_sender(transfer.connector, pools) if transfer is not None and transfer.send else None
+        receiver = make_receiver(transfer.connector, pools) if transfer is not None and transfer.receive else None
+        runner = ModelRunner(model, pools, self.config.seed, self.info.eos_token_ids,
+                             use_kernels=self.config.kernels, kv_sender=sender)
+        return KVHandoff(self.scheduler, sender, receiver), runner
+
+    # ---- requests ------------------------------------------------------------------------------
 
     def validate(self, req: Request) -> None:
         validate_request(self.info, req.prompt_token_ids, req.sampling_params)
@@ -83,16 +111,54 @@ class EngineCore:
         self.validate(req)
         self.scheduler.add_request(req)
 
-    def abort_requests(self, request_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        self.scheduler.finish_requests(request_ids, status)
+    def abort_requests(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        """End requests from outside a step (client gone, stop string seen); frees their blocks at
+        once, hand-offs in flight included."""
+        self.handoff.abort(request_ids)
+        self.scheduler.finish_requests(request_ids, RequestStatus.finished_by(reason))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> StepResult:
         sched = self.scheduler.schedule()
         model_output = self.runner.execute(sched)
-        return self.scheduler.update_from_output(sched, model_output)
+        return StepResult(self.scheduler.update_from_output(sched, model_output), model_output.failed_transfers)
+
+    # ---- KV hand-off (disaggregated workers) ----------------------------------------------------
+
+    def reserve_for_transfer(self, req: Request, deadline_s: float) -> Reservation | None:
+        """Decode role: validate `req`, reserve blocks for its prompt's KV and expect it (None: no room now)."""
+        self.validate(req)
+        return self.handoff.reserve(req, deadline_s)
+
+    def start_decode(self, request_id: str, first_token_id: int) -> None:
+        self.handoff.start_decode(request_id, first_token_id)
+
+    def cancel_receive(self, request_id: str) -> None:
+        self.handoff.cancel_receive(request_id)
+
+    def poll_transfers(self) -> list[TransferFailure]:
+        return self.handoff.poll()
+
+    @property
+    def receiver_address(self) -> str | None:
+        """Where prefill workers send this engine's KV (decode role), else None."""
+        return self.handoff.receiver_address
+
+    @property
+    def transfers_in_flight(self) -> bool:
+        return self.handoff.in_flight
+
+    @property
+    def num_receiving(self) -> int:
+        return self.handoff.num_receiving
+
+    @property
+    def num_sending(self) -> int:
+        return self.handoff.num_sending
+
+    # ---- state -----------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         allocated, filled = self.kv_cache.slot_waste(self.scheduler.running)
@@ -102,5 +168,20 @@ class EngineCore:
                            prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
                            num_preemptions=self.scheduler.num_preemptions)
 
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache.usage()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests holding blocks: running, waiting, held for sending, receiving."""
+        s = self.scheduler
+        return len(s.running) + len(s.waiting) + len(s.held) + len(s.receiving)
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def close(self) -> None:
+        """Stop the connector's threads and give back a shared pool's name."""
+        self.handoff.close()
+        self.runner.pools.close()

@@ -9,11 +9,13 @@ from kvbaton.engine.core import EngineCore
 from kvbaton.engine.info import EngineStats, validate_request
 from kvbaton.engine.inputs import PromptType, tokenize_prompt
 from kvbaton.engine.output_processor import OutputProcessor
-from kvbaton.engine.request import Request, RequestStatus
+from kvbaton.engine.outputs import FinishReason
+from kvbaton.engine.request import Request
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
 from kvbaton.models.registry import resolve_model
+from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
 
 
 class LLMEngine:
@@ -23,7 +25,9 @@ class LLMEngine:
         model_config = ModelConfig.from_dir(self.model_dir)  # fails first, with the clearest error
         self.tokenizer = Tokenizer(self.model_dir)
         self.eos_token_ids = eos_token_ids(model_config, self.tokenizer)
+        set_compute_threads(config.num_threads)
         self.core = EngineCore(config, self.model_dir, self.eos_token_ids)
+        freeze_long_lived_objects()
         self.model_config = self.core.model_config
         self.info = self.core.info
         self.kv_cache = self.core.kv_cache
@@ -35,8 +39,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self.validate(token_ids, params)
-        req = Request(request_id, token_ids, params, self.eos_token_ids, priority,
-                      arrival_time if arrival_time is not None else time.monotonic())
+        req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
+                      arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(req)
         self.outputs.add_request(request_id, text, token_ids, params, req.arrival_time)
 
@@ -53,10 +57,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         results = []
-        for core_output in self.core.step():
+        for core_output in self.core.step().outputs:
             out, stop_string = self.outputs.process(core_output)
             if stop_string is not None and core_output.finish_reason is None:
-                self.core.abort_requests([core_output.request_id], RequestStatus.FINISHED_STOPPED)
+                self.core.abort_requests([core_output.request_id], FinishReason.STOP)
             results.append(out)
         return results
 

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from kvbaton.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.engine.engine import LLMEngine
 from kvbaton.engine.inputs import PromptType, tokenize_prompt
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from typing_extensions import TypeIs
 
 _CACHE_FIELDS = {f.name for f in fields(CacheConfig)}
 _SCHEDULER_FIELDS = {f.name for f in fields(SchedulerConfig)}
@@ -19,16 +25,16 @@ class LLM:
     """Keyword arguments are vLLM's where they exist (`max_model_len`, `block_size`,
     `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`, ...)."""
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs) -> None:
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **kwargs: Any) -> None:
         cache = CacheConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _CACHE_FIELDS})
         scheduler = SchedulerConfig(**{k: kwargs.pop(k) for k in list(kwargs) if k in _SCHEDULER_FIELDS})
         self.engine = LLMEngine(EngineConfig(model=model, cache=cache, scheduler=scheduler, **kwargs))
         self._ids = itertools.count()
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer.hf
 
-    def generate(self, prompts: PromptType | list[PromptType],
+    def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the order of `prompts`.
@@ -51,8 +57,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(
+        conversations = messages if _is_batch(messages) else [messages]
+        prompts: list[PromptType] = [{"prompt_token_ids": self.engine.tokenizer.encode(
             self.engine.tokenizer.apply_chat_template(c)), "prompt": None} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -74,9 +80,19 @@ class LLM:
         return [finished[i] for i in ids]
 
     @staticmethod
-    def _as_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
+    def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):
             return [prompts]
-        if prompts and all(isinstance(t, int) for t in prompts):
+        if _is_token_ids(prompts):
             return [{"prompt_token_ids": prompts}]
         return list(prompts)
+
+
+def _is_batch(messages: list[dict] | list[list[dict]]) -> TypeIs[list[list[dict]]]:
+    """Several conversations rather than one conversation's messages."""
+    return bool(messages) and isinstance(messages[0], list)
+
+
+def _is_token_ids(prompts: list[int] | Sequence[PromptType]) -> TypeIs[list[int]]:
+    """One prompt given as token ids rather than a list of prompts."""
+    return bool(prompts) and all(isinstance(t, int) for t in prompts)

@@ -8,24 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbaton.config import ModelConfig
-from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput
+from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TransferFailure
 from kvbaton.engine.sampler import SamplingRow, sample
 from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
-from kvbaton.kv.layout import KVLayout
-from kvbaton.kv.pools import PoolAllocator, allocate_pools
+from kvbaton.kv.pools import KVPools, torch_dtype
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.models.llama import LlamaForCausalLM
-
-
-def kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """The model's KV pool: K and V of every KV head, per layer."""
-    return KVLayout.standard(num_layers=cfg.num_hidden_layers, block_size=block_size,
-                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                             dtype=str(dtype).removeprefix("torch."))
-
-
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:
@@ -44,23 +33,21 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, layout: KVLayout, num_blocks: int, seed: int = 0,
-                 eos_token_ids: tuple[int, ...] = (), use_kernels: bool = True,
-                 kv_allocator: PoolAllocator = allocate_pools) -> None:
+    def __init__(self, model: LlamaForCausalLM, pools: KVPools, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
+                 use_kernels: bool = True, kv_sender: KVSender | None = None) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
-        self.layout = layout
+        self.pools = pools
+        self.kv_caches = pools.caches
+        layout = pools.layout
         self.block_size = layout.block_size
-        self.dtype = dtype = layout.torch_dtype
-        self.pools = kv_allocator(layout, num_blocks)
-        self.kv_caches = self.pools.caches
+        self.dtype = dtype = torch_dtype(layout)
         shape = (model.config.num_attention_heads, layout.num_kv_heads, layout.head_dim)
         self.decode_kernel = paged_decode_kernel(dtype, *shape) if use_kernels else None
         self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if use_kernels else None
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
-        self.kv_sender: KVSender | None = None  # prefill role: set by the worker
-        self.failed_transfers: list[tuple[str, str]] = []  # (request_id, reason), drained by the worker
+        self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -70,9 +57,11 @@ class ModelRunner:
             return ModelOutput({})
         inputs = self.prepare_inputs(sched.scheduled)
         meta = inputs.meta
-        outgoing = self._begin_transfers(sched.scheduled)
+        outgoing, failed = self._begin_transfers(sched.scheduled)
         if outgoing:
-            meta = dataclasses.replace(meta, after_layer=lambda layer: self.kv_sender.save_layer(layer, outgoing))
+            sender = self.kv_sender
+            assert sender is not None
+            meta = dataclasses.replace(meta, after_layer=lambda layer: sender.save_layer(layer, outgoing))
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices)
         rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s))
                 for s in inputs.sampled]
@@ -80,18 +69,21 @@ class ModelRunner:
         return ModelOutput(
             {s.request_id: t for s, t in zip(inputs.sampled, tokens)},
             {s.request_id: lp for s, lp in zip(inputs.sampled, logprobs) if lp is not None},
+            failed,
         )
 
-    def _begin_transfers(self, scheduled: list[ScheduledRequest]) -> list[str]:
-        """Prefill role: register the KV hand-off of every request whose prompt ends this step,
-        so each layer can go out as soon as it is computed. Refusals land in `failed_transfers`."""
-        started = []
+    def _begin_transfers(self, scheduled: list[ScheduledRequest]) -> tuple[list[str], list[TransferFailure]]:
+        """Prefill role: register the KV hand-off of every request whose prompt ends this step, so each
+        layer can go out as soon as it is computed. Returns (begun request ids, refusals)."""
+        started: list[str] = []
+        failed: list[TransferFailure] = []
         for s in scheduled:
             remote = s.remote_decode
             if remote is None:
                 continue
-            spec = TransferSpec(s.request_id, s.block_ids[remote.skip_blocks:], list(remote.dst_block_ids),
-                                remote.receiver, remote.layout, remote.deadline_s)
+            spec = TransferSpec(request_id=s.request_id, src_block_ids=s.block_ids[remote.skip_blocks:],
+                                dst_block_ids=list(remote.dst_block_ids), receiver=remote.receiver,
+                                layout=remote.layout, deadline_s=remote.deadline_s)
             try:
                 if self.kv_sender is None:
                     raise RuntimeError("this worker has no KV sender (not started in the prefill role)")
@@ -101,8 +93,8 @@ class ModelRunner:
                 self.kv_sender.begin(spec)
                 started.append(s.request_id)
             except (ValueError, RuntimeError) as exc:
-                self.failed_transfers.append((s.request_id, str(exc)))
-        return started
+                failed.append(TransferFailure(s.request_id, str(exc)))
+        return started, failed
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         # NOTE: single-token chunks (decodes) go first and share one batched attention call.

@@ -9,7 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvbaton.engine.outputs import EngineCoreOutput, TokenLogprobs
+from tokenizers.decoders import DecodeStream
+
+from kvbaton.engine.outputs import EngineCoreOutput, FinishReason, TokenLogprobs
 from kvbaton.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
@@ -21,7 +23,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    decoder: object  # tokenizers DecodeStream
+    decoder: DecodeStream
     arrival_time: float
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -56,19 +58,22 @@ class OutputProcessor:
             state.first_token_time = time.monotonic()
             state.first_scheduled_time = output.first_scheduled_time
             state.num_cached_tokens = output.num_cached_tokens
-        finish_reason, stop_reason = output.finish_reason, output.stop_reason
-        for token, logprobs in zip(output.new_token_ids, output.logprobs or [None] * len(output.new_token_ids)):
+        # NOTE: users see plain strings, as vLLM's `finish_reason` (str() of a str-enum is its name)
+        finish_reason = None if output.finish_reason is None else output.finish_reason.value
+        stop_reason = output.stop_reason
+        entries: list[TokenLogprobs | None] = [*output.logprobs] or [None] * len(output.new_token_ids)
+        for token, logprobs in zip(output.new_token_ids, entries):
             state.token_ids.append(token)
             self._append_logprobs(state, logprobs)
             if state.stop_string is None:
                 self._append_text(state, token)
-        if state.stop_string is not None and finish_reason in (None, "length"):
-            finish_reason, stop_reason = "stop", state.stop_string
+        if state.stop_string is not None and finish_reason in (None, FinishReason.LENGTH.value):
+            finish_reason, stop_reason = FinishReason.STOP.value, state.stop_string
         return self._build(state, finish_reason, stop_reason), state.stop_string
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self._states.get(request_id)
-        return None if state is None else self._build(state, "abort", None)
+        return None if state is None else self._build(state, FinishReason.ABORT.value, None)
 
     def _append_text(self, state: _RequestState, token: int) -> None:
         piece = state.decoder.step(self.tokenizer.backend, token)
@@ -76,7 +81,7 @@ class OutputProcessor:
             return
         start = max(0, len(state.text) - self._max_stop_len(state) + 1)
         state.text += piece
-        found = [(state.text.find(s, start), s) for s in state.params.stop]
+        found = [(state.text.find(s, start), s) for s in state.params.stop_strings]
         found = [(i, s) for i, s in found if i >= 0]
         if found:
             index, stop = min(found)
@@ -84,7 +89,7 @@ class OutputProcessor:
             state.text, state.stop_string = state.text[:end], stop
 
     def _append_logprobs(self, state: _RequestState, entry: TokenLogprobs | None) -> None:
-        if state.logprobs is None or entry is None:
+        if state.logprobs is None or state.cumulative_logprob is None or entry is None:
             return
         ranked = {entry.token_id: Logprob(entry.logprob, entry.rank, self.tokenizer.token_text(entry.token_id))}
         for rank, (token_id, logprob) in enumerate(entry.top, start=1):
@@ -114,4 +119,4 @@ class OutputProcessor:
 
     @staticmethod
     def _max_stop_len(state: _RequestState) -> int:
-        return max((len(s) for s in state.params.stop), default=1)
+        return max((len(s) for s in state.params.stop_strings), default=1)

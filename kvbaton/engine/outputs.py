@@ -1,13 +1,24 @@
-"""The dataclasses that cross the scheduler <-> model runner boundary (no torch here)."""
+"""The records that cross the scheduler <-> model runner boundary, and what an engine step gives
+back to its caller (no torch here)."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import msgspec
 
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.kv.layout import KVLayout
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended in an engine. A `str` enum: equal to its value, and serialised as it."""
+
+    STOP = "stop"  # EOS, a stop token, or (set by the frontend) a stop string
+    LENGTH = "length"  # max_tokens, or the context / KV pool is full
+    ABORT = "abort"  # cancelled (client gone, worker fenced, ...)
+    TRANSFER = "transfer"  # a prefill worker's request: its KV went to a decode worker, which goes on
 
 
 class RemoteDecode(msgspec.Struct, frozen=True):
@@ -64,19 +75,38 @@ class TokenLogprobs:
 
 
 @dataclass(frozen=True)
-class ModelOutput:
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+class TransferFailure:
+    """A KV hand-off that ended without the data (refused at begin, timed out, peer gone, ...)."""
+
+    request_id: str
+    reason: str
 
 
 @dataclass(frozen=True)
+class ModelOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # prefill role: hand-offs the runner could not begin this step (their requests' blocks are freed)
+    failed_transfers: list[TransferFailure] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineCoreOutput:
     """What one step produced for one request."""
 
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when it left the waiting queue
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one engine step gave back: each request's new tokens, and (prefill role) the hand-offs
+    that could not begin. Callers report the failures before the outputs (see `disagg.worker`)."""
+
+    outputs: list[EngineCoreOutput]
+    failed_transfers: list[TransferFailure] = field(default_factory=list)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 
-from kvbaton.engine.outputs import RemoteDecode
+from kvbaton.engine.outputs import FinishReason, RemoteDecode
 from kvbaton.engine.sampling_params import SamplingParams
 
 
@@ -27,12 +27,18 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TRANSFERRED)
 
+    @classmethod
+    def finished_by(cls, reason: FinishReason) -> RequestStatus:
+        """The finished status for `reason` (their values are the same words)."""
+        return cls(reason.value)
+
 
 @dataclass
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    _: KW_ONLY
     eos_token_ids: tuple[int, ...] = ()
     priority: int = 0  # lower value is served first, as in vLLM
     arrival_time: float = field(default_factory=time.monotonic)
@@ -45,10 +51,6 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
     first_scheduled_time: float | None = None
     remote_decode: RemoteDecode | None = None  # prefill role: hand the KV off after the prompt
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -72,5 +74,5 @@ class Request:
         return self.status.is_finished
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.status.value if self.is_finished else None
+    def finish_reason(self) -> FinishReason | None:
+        return FinishReason(self.status.value) if self.is_finished else None

@@ -26,15 +26,23 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        # NOTE: `stop` is declared as the forms callers may pass; from here on it is always a list.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop = stop
         self.stop_token_ids = list(self.stop_token_ids or [])
-        self._validate()
+        self._validate(stop)
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as the list `__post_init__` made of it."""
+        assert isinstance(self.stop, list)
+        return self.stop
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def _validate(self) -> None:
+    def _validate(self, stop: list[str]) -> None:
         checks = [
             (self.n == 1, "n: only n=1 is supported"),
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -43,7 +51,7 @@ class SamplingParams:
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings"),
+            (all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
         ]
         for ok, message in checks:

@@ -140,8 +140,12 @@ class Scheduler:
                 req.stop_reason = stop_reason
                 self.running.remove(req)
                 self._finish(req, status)
-            results.append(EngineCoreOutput(req.request_id, [token], req.finish_reason, req.stop_reason,
-                                            logprobs, max(req.num_cached_tokens, 0), req.first_scheduled_time))
+            results.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[token], finish_reason=req.finish_reason,
+                stop_reason=req.stop_reason, logprobs=logprobs, num_cached_tokens=max(req.num_cached_tokens, 0),
+                first_scheduled_time=req.first_scheduled_time))
+        for failure in output.failed_transfers:  # finished as `transfer` above: nothing will read the blocks
+            self.release_held(failure.request_id)
         return results
 
     # ---- internals -------------------------------------------------------------------------

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from kvbaton.engine.request_output import RequestOutput
 
 
 async def stream_outputs(queue: asyncio.Queue, on_unfinished_exit: Callable[[], Awaitable[None]]
-                         ) -> AsyncIterator[RequestOutput]:
+                         ) -> AsyncGenerator[RequestOutput, None]:
     """Yield outputs until the finished one; an Exception put in the queue is raised here.
     If the consumer stops early (client gone, task cancelled), `on_unfinished_exit` runs: it
     aborts the request wherever it runs, so its KV blocks are freed."""

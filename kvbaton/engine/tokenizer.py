@@ -6,7 +6,7 @@ from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
 
-from kvbaton.config import ConfigError
+from kvbaton.config import ConfigError, ModelConfig
 
 
 class Tokenizer:
@@ -27,24 +27,33 @@ class Tokenizer:
         return self.hf.encode(text)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return _one_text(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.hf.chat_template:
             raise ConfigError("this model's tokenizer has no chat template")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return _one_text(self.hf.apply_chat_template(messages, tokenize=False,
+                                                     add_generation_prompt=add_generation_prompt))
 
     def token_text(self, token_id: int) -> str:
-        return self.hf.decode([token_id])
+        return _one_text(self.hf.decode([token_id]))
 
     def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
         """Incremental detokenizer: yields text only once it no longer changes (UTF-8 safe)."""
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
-def eos_token_ids(model_config, tokenizer: Tokenizer) -> tuple[int, ...]:
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
     """EOS ids from the checkpoint config and the tokenizer, merged."""
     ids = set(model_config.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))
+
+
+def _one_text(out: object) -> str:
+    """transformers types decode / apply_chat_template as maybe returning lists or token ids (batched or
+    tokenized calls); for one sequence with tokenize=False it is always one string."""
+    if not isinstance(out, str):
+        raise TypeError(f"expected one string from the tokenizer, got {type(out).__name__}")
+    return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -13,7 +14,7 @@ MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
 MAX_PREFILL_GROUP = 48  # query heads per KV head (paged_prefill.c's MAX_ROWS)
 
 
-def _in_fp32(q: torch.Tensor, kv_cache: torch.Tensor, what: str, run) -> torch.Tensor:
+def _in_fp32(q: torch.Tensor, kv_cache: torch.Tensor, what: str, run: Callable[[int, int], int]) -> torch.Tensor:
     """Both kernels take fp32 queries [T, H, D] and write fp32 outputs of that shape:
     `run(q32_addr, out_addr)` returns the C status; the result comes back in q's dtype."""
     q32 = q.to(torch.float32).contiguous()

@@ -10,20 +10,14 @@ A pool holds, per token slot, the layout's `components` side by side, in order:
 
 One layer's pool is `pool_shape(num_blocks)` = `[num_blocks * block_size, *slot_shape]`, with
 `slot = block * block_size + offset`, so one block of one layer is a contiguous run of
-`block_numel` elements: the unit every transport moves (`block_view(pool, layout)[block_id]`).
+`block_numel` elements: the unit every transport moves (`KVPools.blocks(layer)[block_id]`).
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING
-
 import msgspec
 
-if TYPE_CHECKING:
-    import torch
-
-# NOTE: no torch import at module level: the scheduler (which imports no torch) carries layouts.
+# NOTE: no torch here: the scheduler and the router carry layouts; tensors of a layout are `pools.py`'s.
 ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
 K, V = "k", "v"
 
@@ -101,10 +95,6 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         """Bytes of one block across every layer: what the pool's memory budget is divided by."""
         return self.num_layers * self.block_bytes
 
-    def num_blocks_in(self, num_elements: int) -> int:
-        """Blocks in one layer's pool of `num_elements` elements."""
-        return num_elements // self.block_numel
-
     # ---- components --------------------------------------------------------------------------
 
     def component(self, name: str) -> KVComponent:
@@ -118,23 +108,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(c.name for c in self.components)
 
     @property
-    def is_standard(self) -> bool:
-        """K and V only, same shape: what the paged attention backend reads."""
-        return self.component_names == (K, V) and len(self.slot_shape) == 3
-
-    @property
     def num_kv_heads(self) -> int:
         return self.component(K).num_heads
 
     @property
     def head_dim(self) -> int:
         return self.component(K).head_dim
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)
 
     # ---- agreement between workers -----------------------------------------------------------
 
@@ -153,18 +132,3 @@ def _component_diffs(ours: tuple[KVComponent, ...], theirs: tuple[KVComponent, .
         return [f"components {'/'.join(c.name for c in ours)} vs {'/'.join(c.name for c in theirs)}"]
     return [f"{a.name} {name} {getattr(a, name)} vs {getattr(b, name)}"
             for a, b in zip(ours, theirs) for name in ("num_heads", "head_dim") if getattr(a, name) != getattr(b, name)]
-
-
-def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
-    """One layer's pool as [num_blocks, block_numel]: row b is block b, contiguous."""
-    return kv_cache.view(-1, layout.block_numel)
-
-
-def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
-    """Raise ValueError unless `kv_cache` is a contiguous pool of `layout` (any number of blocks)."""
-    if not kv_cache.is_contiguous() or kv_cache.dtype != layout.torch_dtype:
-        raise ValueError("KV pools must be contiguous tensors of the layout's dtype")
-    if tuple(kv_cache.shape[1:]) != layout.slot_shape or kv_cache.shape[0] % layout.block_size:
-        raise ValueError(f"KV pool of shape {tuple(kv_cache.shape)} is not a pool of slots {layout.slot_shape} "
-                         f"in blocks of {layout.block_size}")
-    assert math.prod(kv_cache.shape) % layout.block_numel == 0

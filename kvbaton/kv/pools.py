@@ -13,7 +13,25 @@ from typing import Protocol
 
 import torch
 
-from kvbaton.kv.layout import KVLayout, block_view, check_pool
+from kvbaton.kv.layout import KVLayout
+
+
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return getattr(torch, layout.dtype)
+
+
+def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:
+    """One layer's pool as [num_blocks, block_numel]: row b is block b, contiguous."""
+    return kv_cache.view(-1, layout.block_numel)
+
+
+def check_pool(kv_cache: torch.Tensor, layout: KVLayout) -> None:
+    """Raise ValueError unless `kv_cache` is a contiguous pool of `layout` (any number of blocks)."""
+    if not kv_cache.is_contiguous() or kv_cache.dtype != torch_dtype(layout):
+        raise ValueError("KV pools must be contiguous tensors of the layout's dtype")
+    if tuple(kv_cache.shape[1:]) != layout.slot_shape or kv_cache.shape[0] % layout.block_size:
+        raise ValueError(f"KV pool of shape {tuple(kv_cache.shape)} is not a pool of slots {layout.slot_shape} "
+                         f"in blocks of {layout.block_size}")
 
 
 class SharedRegion(Protocol):
@@ -67,5 +85,5 @@ PoolAllocator = Callable[[KVLayout, int], KVPools]
 
 def allocate_pools(layout: KVLayout, num_blocks: int) -> KVPools:
     """Zeroed pools in this process's own memory."""
-    caches = [torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype) for _ in range(layout.num_layers)]
+    caches = [torch.zeros(layout.pool_shape(num_blocks), dtype=torch_dtype(layout)) for _ in range(layout.num_layers)]
     return KVPools(layout, caches)

@@ -111,6 +111,7 @@ def _start_once(binary: str, host: str, port: int, maxmemory_mb: int | None, sta
         lines += [f"maxmemory {maxmemory_mb}mb", "maxmemory-policy noeviction"]  # refuse writes, never drop KV
     proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None)
+    assert proc.stdin is not None  # stdin=PIPE
     proc.stdin.write(("\n".join(lines) + "\n").encode())
     proc.stdin.close()
     _CHILDREN[proc.pid] = proc

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from kvbaton.kernels import copy_rows_kernel
-from kvbaton.kv.layout import KVLayout
+
+
+class Run(NamedTuple):
+    """`length` rows consecutive on both sides: src rows `src..src+length-1` go to `dst..dst+length-1`."""
+
+    src: int
+    dst: int
+    length: int
 
 
 def rows_within(rows: Sequence[int], limit: int) -> bool:
@@ -34,29 +41,22 @@ def copy_rows(dst_addr: int, dst_rows: Sequence[int], src_addr: int, src_rows: S
         kernel(dst_addr, src_addr, np.ascontiguousarray(dst_rows, dtype=np.int64),
                np.ascontiguousarray(src_rows, dtype=np.int64), row_bytes)
         return
-    for d, s, n in _runs(dst_rows, src_rows):
+    for s, d, n in contiguous_runs(src_rows, dst_rows):
         ctypes.memmove(dst_addr + d * row_bytes, src_addr + s * row_bytes, n * row_bytes)
 
 
-def _runs(dst_rows: Sequence[int], src_rows: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(dst start, src start, length) of each run; numpy only where it beats a Python loop."""
-    if len(dst_rows) <= 64:
-        runs: list[tuple[int, int, int]] = []
-        for d, s in zip(dst_rows, src_rows):
-            if runs and d == runs[-1][0] + runs[-1][2] and s == runs[-1][1] + runs[-1][2]:
-                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+def contiguous_runs(src_rows: Sequence[int], dst_rows: Sequence[int]) -> list[Run]:
+    """Pairs `(src_rows[i], dst_rows[i])` merged into runs consecutive on both sides: fewer, larger
+    copies or reads. Numpy only where it beats a Python loop."""
+    if len(src_rows) <= 64:
+        runs: list[Run] = []
+        for s, d in zip(src_rows, dst_rows):
+            if runs and s == runs[-1].src + runs[-1].length and d == runs[-1].dst + runs[-1].length:
+                runs[-1] = runs[-1]._replace(length=runs[-1].length + 1)
             else:
-                runs.append((d, s, 1))
+                runs.append(Run(s, d, 1))
         return runs
-    dst, src = np.asarray(dst_rows, dtype=np.int64), np.asarray(src_rows, dtype=np.int64)
-    starts = np.concatenate(([0], np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1))
-    lengths = np.diff(np.concatenate((starts, [len(dst)])))
-    return list(zip(dst[starts].tolist(), src[starts].tolist(), lengths.tolist()))
-
-
-def pool_rows(kv_caches: list[torch.Tensor], layout: KVLayout) -> int:
-    """Blocks per layer pool; the pools must be contiguous, since rows are copied by address."""
-    for pool in kv_caches:
-        if not pool.is_contiguous() or pool.dtype != layout.torch_dtype:
-            raise ValueError("KV pools must be contiguous tensors of the layout's dtype")
-    return kv_caches[0].numel() // layout.block_numel
+    src, dst = np.asarray(src_rows, dtype=np.int64), np.asarray(dst_rows, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1))
+    lengths = np.diff(np.concatenate((starts, [len(src)])))
+    return [Run(*run) for run in zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist())]

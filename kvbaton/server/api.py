@@ -1,7 +1,8 @@
-"""OpenAI-compatible HTTP API (FastAPI) in front of one engine-core process.
+"""OpenAI-compatible HTTP API (FastAPI) in front of an `EngineClient` (the router over the workers).
 
-The event loop only tokenizes, routes and streams; model compute happens in the core
-process, so a long prefill never blocks the loop.
+The event loop only tokenizes, routes and streams; model compute happens in worker processes,
+so a long prefill never blocks the loop. The same app serves colocated and disaggregated
+deployments: it knows the engines only through the `EngineClient` protocol.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,10 +23,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvbaton.config import ConfigError
+from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
-from kvbaton.server.engine_client import AsyncEngineClient, EngineDeadError
+from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.metrics import ServerMetrics
 from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from kvbaton.server.responses import ResponseBuilder, sse
@@ -54,7 +57,7 @@ def _error(status: int, message: str, err_type: str, param: str | None = None, h
 class OpenAIServer:
     """Request handling, separate from route wiring so each piece stays small."""
 
-    def __init__(self, client: AsyncEngineClient, settings: ServerSettings) -> None:
+    def __init__(self, client: EngineClient, settings: ServerSettings) -> None:
         self.client = client
         self.settings = settings
         self.metrics = ServerMetrics(settings.served_model_name)
@@ -75,7 +78,7 @@ class OpenAIServer:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return prompt, self.client.tokenizer.encode(prompt)
-        return None, list(prompt)
+        return None, cast(list[int], list(prompt))  # neither str nor a batch: token ids (pydantic checked)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
         text = self.client.tokenizer.apply_chat_template(req.plain_messages())
@@ -106,7 +109,7 @@ class OpenAIServer:
                                      media_type="text/event-stream")
         return await self._whole(outputs, builder, raw)
 
-    async def _outputs(self, request_id, prompt, token_ids, params, priority) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request_id, prompt, token_ids, params, priority) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs with metrics and admission bookkeeping attached."""
         last = None
         try:
@@ -122,7 +125,7 @@ class OpenAIServer:
         finally:
             self.admission.started(request_id)
 
-    async def _stream(self, outputs: AsyncIterator[RequestOutput], builder: ResponseBuilder, kind: str,
+    async def _stream(self, outputs: AsyncGenerator[RequestOutput, None], builder: ResponseBuilder, kind: str,
                       include_usage: bool) -> AsyncIterator[str]:
         last = None
         try:
@@ -141,7 +144,7 @@ class OpenAIServer:
         finally:
             await outputs.aclose()
 
-    async def _whole(self, outputs: AsyncIterator[RequestOutput], builder: ResponseBuilder, raw: Request):
+    async def _whole(self, outputs: AsyncGenerator[RequestOutput, None], builder: ResponseBuilder, raw: Request):
         async def collect() -> RequestOutput | None:
             last = None
             async for out in outputs:
@@ -158,10 +161,12 @@ class OpenAIServer:
             out = task.result()
         except EngineDeadError as exc:
             return _error(500, str(exc), "InternalServerError")
+        if out is None:  # the stream ended without an output: nothing to answer with
+            return _error(500, "the engine returned no output", "InternalServerError")
         return JSONResponse(builder.full(out))
 
 
-def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
+def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None)
     server = OpenAIServer(client, settings)
     app.state.server = server
@@ -209,7 +214,7 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         if not client.is_alive:
-            return _error(503, client.dead_reason or "engine core not running", "ServiceUnavailableError")
+            return _error(503, client.dead_reason or "no engine is running", "ServiceUnavailableError")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -227,30 +232,18 @@ def build_app(client: AsyncEngineClient, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def add_worker_routes(app: FastAPI, client) -> None:
-    """`GET /workers` (topology and load) and the elastic-pool admin endpoints of a router."""
+def add_worker_routes(app: FastAPI, client: EngineClient) -> None:
+    """`GET /workers` (topology and load) and the elastic-pool admin endpoints."""
 
     @app.get("/workers")
     async def workers():
-        view = getattr(client, "workers_view", None)
-        if view is not None:
-            return {"workers": view()}
-        proc = getattr(client, "proc", None)
-        s = client.stats
-        return {"workers": [{"name": client.name, "role": "both", "pid": proc.pid if proc else None,
-                             "healthy": client.is_alive, "num_running": s.num_running, "num_waiting": s.num_waiting,
-                             "kv_cache_usage": s.kv_cache_usage}]}
+        return {"workers": client.workers_view()}
 
     @app.post("/admin/workers")
     async def add_worker(body: dict):
         role = body.get("role")
-        if not hasattr(client, "add_worker"):
-            raise ApiError(400, "this server runs one engine; start it with --prefill/--decode for worker pools",
-                           "BadRequestError")
         if role not in ("prefill", "decode"):
             raise ApiError(400, "role must be 'prefill' or 'decode'", "BadRequestError", "role")
-        if role == "decode" and not any(w["role"] == "prefill" for w in client.workers_view()):
-            role = "both"  # colocated replicas prefill themselves
         name = await client.add_worker(role)
         try:
             await client.wait_for_workers([name], body.get("timeout_s", 600))
@@ -260,8 +253,6 @@ def add_worker_routes(app: FastAPI, client) -> None:
 
     @app.post("/admin/workers/{name}/drain")
     async def drain_worker(name: str):
-        if not hasattr(client, "drain_worker"):
-            raise ApiError(400, "this server runs one engine; nothing to drain", "BadRequestError")
         try:
             await client.drain_worker(name)
         except KeyError:

@@ -1,47 +1,35 @@
-"""`kvbaton serve`: start the engine-core process, then the HTTP frontend in front of it."""
+"""`kvbaton serve`: bring up the deployment (workers + router), then the HTTP frontend in front of it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 
+from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import EngineConfig
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
 from kvbaton.server.admission import AdmissionLimits
 from kvbaton.server.api import ServerSettings, build_app
-from kvbaton.server.engine_client import AsyncEngineClient
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
     max_waiting_requests: int = 256
-    prefill: int = 0  # with decode: worker pools behind a router
-    decode: int = 0
-    kv_transport: str = "shm"
-    redis_url: str | None = None
-    routing: str = "least_loaded"
-    local_prefill_threshold: int = 64
-    transfer_timeout_s: float = 30.0
-    backend: str = "local"  # "local" | "ray"
-    ray_address: str | None = None
-
-    @property
-    def disaggregated(self) -> bool:
-        return bool(self.prefill or self.decode)
+    deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
-    model_dir = resolve_model(config.model)  # pull / convert once, before the worker starts
+    model_dir = resolve_model(config.model)  # pull / convert once, before any worker starts
     name = options.served_model_name or (DEFAULT_MODEL if config.model in (DEFAULT_MODEL, "default")
                                          else Path(model_dir).name)
     config = dataclasses.replace(config, model=str(model_dir))
@@ -50,23 +38,15 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
 
 
 async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions) -> int:
-    if options.disaggregated:
-        from kvbaton.disagg.launch import start_router
-
-        client, cleanup = await start_router(config, tokenizer, options)
-    else:
-        client, cleanup = AsyncEngineClient(config, tokenizer), None
-        await client.start()
+    deployment = await deploy(config, tokenizer, options.deployment)
     try:
-        app = build_app(client, settings)
+        app = build_app(deployment.router, settings)
         server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
                                                timeout_graceful_shutdown=5))
         _print_banner(settings, options)
         await server.serve()
     finally:
-        await client.shutdown()
-        if cleanup is not None:
-            cleanup()
+        await deployment.shutdown()
     return 0
 
 

@@ -23,11 +23,12 @@ PEER_LINGER_MS = 200  # unsent messages to a peer are kept this long on close, t
 
 class IOThread:
     """The one thread that touches a connector's sockets (ZeroMQ sockets are not thread-safe).
-    Readers are registered before `start()`; other threads hand it work with `call(fn)`."""
+    Bound sockets are made before `start()`, peers on the I/O thread; other threads hand it work
+    with `call(fn)`."""
 
     def __init__(self, name: str) -> None:
         self.ctx = zmq.Context()
-        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         wake = f"inproc://wake-{id(self)}"
         self._wake_rx = self.ctx.socket(zmq.PULL)
         self._wake_rx.bind(wake)
@@ -35,6 +36,8 @@ class IOThread:
         self._wake_tx.connect(wake)
         self._wake_lock = threading.Lock()
         self._readers: dict[zmq.Socket, Callable[[list[zmq.Frame]], None]] = {}
+        self._poller = zmq.Poller()  # the readers' sockets, and the wake socket
+        self._poller.register(self._wake_rx, zmq.POLLIN)
         self._peers: dict[str, zmq.Socket] = {}
         self._running = True  # False once close() has begun (guards the wake socket)
         self._stopping = False  # set on the I/O thread by the last call close() queues
@@ -42,21 +45,27 @@ class IOThread:
 
     def bind_pull(self, host: str, max_msg_bytes: int, handler: Callable[[list[zmq.Frame]], None]) -> str:
         """A PULL socket on `host`, port chosen by the OS; returns its `tcp://host:port`."""
-        sock = self.ctx.socket(zmq.PULL)
+        return self.bind(host, max_msg_bytes, handler).getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def bind(self, host: str, max_msg_bytes: int, handler: Callable[[list[zmq.Frame]], None],
+             kind: int = zmq.PULL) -> zmq.Socket:
+        """A socket of `kind` (PULL, or ROUTER to answer peers by identity) bound on `host`, port chosen
+        by the OS; `handler` gets its messages. Before `start()`; then only the I/O thread touches it."""
+        sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # libzmq drops a peer that sends a bigger frame
         sock.setsockopt(zmq.LINGER, 0)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
             host = f"[{host}]"
         sock.bind(f"tcp://{host}:0")
-        self._readers[sock] = handler
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._watch(sock, handler)
+        return sock
 
     def start(self) -> None:
         self._thread.start()
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the I/O thread, soon; from any thread."""
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the I/O thread, soon; from any thread (its result is ignored)."""
         self._calls.put(fn)
         with self._wake_lock:
             if self._running:
@@ -65,23 +74,36 @@ class IOThread:
                 except zmq.Again:  # wake-ups already queued: the thread is about to run anyway
                     pass
 
-    def peer(self, endpoint: str) -> zmq.Socket:
-        """A PUSH socket connected to `endpoint` (I/O thread only). Unbounded queue: what a dead peer
-        holds is freed by `drop_peer` once its transfers fail."""
+    def peer(self, endpoint: str, reader: Callable[[list[zmq.Frame]], None] | None = None,
+             max_msg_bytes: int = -1) -> zmq.Socket:
+        """A PUSH socket connected to `endpoint` (I/O thread only), or with a `reader` a DEALER whose
+        replies (up to `max_msg_bytes`) go to it. PUSH: unbounded queue, so what a dead peer holds is
+        freed by `drop_peer` once its transfers fail; DEALER: zmq's default bound, past which a
+        NOBLOCK send raises zmq.Again, for owners that never drop a peer."""
         sock = self._peers.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
+            sock = self.ctx.socket(zmq.PUSH if reader is None else zmq.DEALER)
+            if reader is None:
+                sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)
             sock.setsockopt(zmq.LINGER, PEER_LINGER_MS)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             self._peers[endpoint] = sock
+            if reader is not None:
+                self._watch(sock, reader)
         return sock
 
     def drop_peer(self, endpoint: str) -> None:
         sock = self._peers.pop(endpoint, None)
         if sock is not None:
+            if self._readers.pop(sock, None) is not None:
+                self._poller.unregister(sock)
             sock.close(linger=PEER_LINGER_MS)
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -102,18 +124,19 @@ class IOThread:
     def _stop(self) -> None:
         self._stopping = True
 
+    def _watch(self, sock: zmq.Socket, handler: Callable[[list[zmq.Frame]], None]) -> None:
+        self._readers[sock] = handler
+        self._poller.register(sock, zmq.POLLIN)
+
     def _run(self) -> None:
-        poller = zmq.Poller()
-        for sock in (self._wake_rx, *self._readers):
-            poller.register(sock, zmq.POLLIN)
         while not self._stopping:
-            for sock, _ in poller.poll():
+            for sock, _ in self._poller.poll():
                 if sock is self._wake_rx:
                     self._drain(sock, lambda frames: None)
-                else:
+                elif sock in self._readers:  # else a handler dropped it this round
                     self._drain(sock, self._readers[sock])
             self._run_calls()
-        for sock in (self._wake_rx, *self._readers, *self._peers.values()):
+        for sock in {self._wake_rx, *self._readers, *self._peers.values()}:
             sock.close()
 
     def _drain(self, sock: zmq.Socket, handler: Callable[[list[zmq.Frame]], None], batch: int = 64) -> None:
@@ -133,7 +156,7 @@ class IOThread:
             _safely(fn)
 
 
-def _safely(fn: Callable[..., None], *args: Any) -> None:
+def _safely(fn: Callable[..., object], *args: Any) -> None:
     """One bad frame or failed send must not stop the I/O thread."""
     try:
         fn(*args)

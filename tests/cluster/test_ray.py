@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import zmq
 from helpers import TINY_VOCAB
@@ -23,15 +24,15 @@ from helpers import TINY_VOCAB
 from kvbaton.cluster.ray import (
     PlacementError,
     RayLauncher,
-    _Secret,
     bind_to_node,
     check_feasible,
     plan_groups,
     spread_selector,
 )
+from kvbaton.cluster.ray.actor import _Secret
 from kvbaton.config import CacheConfig, EngineConfig
 from kvbaton.disagg.messages import FromWorker, Shutdown, ToWorker, WorkerHello
-from kvbaton.disagg.spec import ConnectorSpec, WorkerSpec
+from kvbaton.disagg.spec import ConnectorSpec, WorkerRole, WorkerSpec
 from kvbaton.wire import SignedCodec, cluster_secret
 
 NUM_CPUS = 2
@@ -40,7 +41,7 @@ NUM_CPUS = 2
 def spec(role: str, index: int = 0, model: str = "unused", router: str = "tcp://127.0.0.1:1") -> WorkerSpec:
     engine = EngineConfig(model=model, dtype="float32", num_threads=1, kernels=False,
                           cache=CacheConfig(block_size=4, num_blocks=64))
-    return WorkerSpec(role, index, engine, router, heartbeat_s=0.2)
+    return WorkerSpec(role=WorkerRole(role), index=index, engine=engine, router=router, heartbeat_s=0.2)
 
 
 # ---- without a cluster -------------------------------------------------------------------------
@@ -48,7 +49,7 @@ def spec(role: str, index: int = 0, model: str = "unused", router: str = "tcp://
 
 def test_plan_one_bundle_per_rank():
     groups = plan_groups([spec("prefill"), spec("decode")], 0.5, ranks=4)
-    assert [g.pool for g in groups] == ["prefill", "decode"]
+    assert [g.pool for g in groups] == [WorkerRole.PREFILL, WorkerRole.DECODE]
     assert groups[0].bundles == ({"CPU": 0.5},) * 4 and groups[0].cpus == 2.0
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="cpus_per_worker"):
@@ -76,11 +77,11 @@ def test_pools_avoid_each_others_nodes_only_when_the_rest_has_room():
 
 
 def test_loopback_hosts_become_the_node_address_off_loopback():
-    s = WorkerSpec("decode", 0, spec("decode").engine, "tcp://10.0.0.1:5000", connector=ConnectorSpec("tcp"))
+    s = msgspec.structs.replace(spec("decode"), router="tcp://10.0.0.1:5000", connector=ConnectorSpec(transport="tcp"))
     assert bind_to_node(s, "127.0.0.1") == s
     moved = bind_to_node(s, "10.0.0.7")
     assert (moved.host, moved.connector.host, moved.router) == ("10.0.0.7", "10.0.0.7", s.router)
-    pinned = WorkerSpec("decode", 0, s.engine, s.router, host="10.0.0.9")
+    pinned = msgspec.structs.replace(s, host="10.0.0.9", connector=ConnectorSpec())
     assert bind_to_node(pinned, "10.0.0.7").host == "10.0.0.9"
 
 
@@ -160,6 +161,7 @@ def test_private_head_is_on_loopback_only(launcher):
     import ray
 
     assert launcher.gcs_address.startswith("127.0.0.1:")
+    assert launcher.start() == "127.0.0.1"  # idempotent: the router's host, on loopback here
     assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
     assert launcher.node_ip == "127.0.0.1"
     assert ray.cluster_resources()["CPU"] == NUM_CPUS
@@ -193,9 +195,15 @@ def test_impossible_placement_fails_fast_and_keeps_nothing(launcher):
     with pytest.raises(PlacementError, match=r"prefill pool .* \+ the decode pool \(2 worker\(s\) x 1 rank\(s\) x 1 "
                                              r"CPU\): 3 CPU in all, but the cluster has 2 CPU on 1 node\(s\) "
                                              r"\(127.0.0.1: 2 CPU, [\d.]+ free\)"):
-        launcher.launch([spec("prefill"), spec("decode", 0), spec("decode", 1)], cpus_per_worker=1)
+        launcher.launch_many([spec("prefill"), spec("decode", 0), spec("decode", 1)], cpus_per_worker=1)
     with pytest.raises(PlacementError, match="needs 8 CPU per rank but the largest node has 2"):
-        launcher.launch([spec("decode")], cpus_per_worker=8)
+        launcher.launch_many([spec("decode")], cpus_per_worker=8)
+    launcher.cpus_per_worker = 8  # what the protocol's one-worker `launch` places by
+    try:
+        with pytest.raises(PlacementError, match="needs 8 CPU per rank but the largest node has 2"):
+            launcher.launch(spec("decode"))
+    finally:
+        launcher.cpus_per_worker = None
     assert time.monotonic() - t0 < 15
     assert live_groups() == {} and launcher.list_workers() == []
 
@@ -212,7 +220,7 @@ def test_placement_not_granted_in_time_gives_back_what_it_got(launcher):
     try:
         with pytest.raises(PlacementError, match=r"kvbaton-decode-0 not granted within 2 s; the cluster has 2 CPU .*"
                                                  r"[\d.]+ free\)\. Nothing was kept"):
-            launcher.launch([spec("prefill"), spec("decode")], cpus_per_worker=0.5)  # prefill fits, decode not
+            launcher.launch_many([spec("prefill"), spec("decode")], cpus_per_worker=0.5)  # prefill fits, decode not
         assert time.monotonic() - t0 < 15
         assert set(live_groups()) == {other.id.hex()}  # the granted prefill group went back too
         assert launcher.list_workers() == []
@@ -226,14 +234,17 @@ import json, sys
 import ray
 from kvbaton.cluster.ray import RayLauncher
 from kvbaton.config import EngineConfig
-from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.disagg.spec import WorkerRole, WorkerSpec
 launcher = RayLauncher(b"0123456789abcdef0123", address=sys.argv[1])
-address = launcher.start()
-pg = launcher.reserve([WorkerSpec("decode", 7, EngineConfig(model="unused"), "tcp://127.0.0.1:1")], 0.25)[0]
+host = launcher.start()
+address = launcher.gcs_address
+spec = WorkerSpec(role=WorkerRole.DECODE, index=7, engine=EngineConfig(model="unused"), router="tcp://127.0.0.1:1")
+pg = launcher.reserve([spec], 0.25)[0]
 state = ray.util.placement_group_table(pg)["state"]
 nodes = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
 launcher.close()
-print("RESULT", json.dumps({"address": address, "node_ip": nodes, "state": state, "head": launcher.head is None}))
+print("RESULT", json.dumps({"address": address, "host": host, "node_ip": nodes, "state": state,
+                            "head": launcher.head is None}))
 """
 
 
@@ -244,7 +255,8 @@ def test_another_process_joins_with_address_and_leaves_the_head_running(launcher
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     result = json.loads(lines[0][7:])
-    assert result == {"address": launcher.gcs_address, "node_ip": ["127.0.0.1"], "state": "CREATED", "head": True}
+    assert result == {"address": launcher.gcs_address, "host": "127.0.0.1", "node_ip": ["127.0.0.1"],
+                      "state": "CREATED", "head": True}
     assert launcher.head.proc.poll() is None  # joining never stops a head it did not start
     assert live_groups() == {}  # the joined driver's group went with it
 
@@ -277,7 +289,7 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
     names = {s.name for s in specs}
     try:
         t0 = time.monotonic()
-        placed = launcher.launch(specs, cpus_per_worker=0.5)
+        placed = launcher.launch_many(specs, cpus_per_worker=0.5)
         assert {(w.name, w.rank, w.node_ip) for w in placed} == {(n, 0, "127.0.0.1") for n in names}
         assert len({w.placement_group_id for w in placed}) == 2
         hellos = await_hellos(router, SignedCodec(launcher.secret, FromWorker), names, 180)
@@ -293,12 +305,14 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
         push = ctx.socket(zmq.PUSH)
         push.connect(hellos["kvbaton-decode-0"].address)
         push.send(SignedCodec(launcher.secret, ToWorker).encode(Shutdown()))
-        assert launcher.stop("kvbaton-decode-0", timeout_s=20) == 0  # exits on its own: no signal needed
+        launcher.stop("kvbaton-decode-0", timeout_s=20)
+        assert launcher.exit_codes["kvbaton-decode-0"] == 0  # exits on its own: no signal needed
         assert not launcher.is_alive("kvbaton-decode-0") and launcher.is_alive("kvbaton-prefill-0")
         push.close(linger=0)
         t0 = time.monotonic()
-        codes = launcher.stop_all(timeout_s=0)  # not told to shut down: interrupted (SIGKILL after 5 s)
-        assert codes == {"kvbaton-prefill-0": -signal.SIGINT} and time.monotonic() - t0 < 5
+        launcher.stop_all(timeout_s=0)  # not told to shut down: interrupted (SIGKILL after 5 s)
+        codes = {n: launcher.exit_codes.get(n) for n in names}
+        assert codes == {"kvbaton-decode-0": 0, "kvbaton-prefill-0": -signal.SIGINT} and time.monotonic() - t0 < 5
     finally:
         launcher.stop_all(timeout_s=0)
         router.close(linger=0)
@@ -314,7 +328,8 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
 
     from helpers import hf_greedy
 
-    from kvbaton.disagg.router import Router, RouterConfig
+    from kvbaton.disagg.router import Router
+    from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
     from kvbaton.engine.sampling_params import SamplingParams
     from kvbaton.engine.tokenizer import Tokenizer
 
@@ -330,9 +345,10 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
         return tokens
 
     async def scenario():
-        config = RouterConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0)
-        router = Router(spec("decode", model=str(model)).engine, Tokenizer(model), launcher, launcher.secret, config,
-                        ConnectorSpec("shm"))
+        config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0)
+        pool = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
+                          ConnectorSpec(transport="shm"), host=launcher.start())
+        router = Router(pool, Tokenizer(model))
         try:
             await router.start(1, 1)
             outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))

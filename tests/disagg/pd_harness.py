@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 
 from helpers import TINY_VOCAB
 
-from kvbaton.cluster.local import LocalLauncher
+from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import CacheConfig, EngineConfig
 from kvbaton.disagg.router import Router, RouterConfig
-from kvbaton.disagg.spec import ConnectorSpec
+from kvbaton.disagg.worker_pool import PoolConfig
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
-from kvbaton.wire import cluster_secret
+
+POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)}
 
 
 def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -25,19 +27,22 @@ def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 @contextlib.asynccontextmanager
 async def router_over(model_dir, prefill: int, decode: int, transport: str = "shm", block_size: int = 4,
                       redis_url: str | None = None, log_dir=None, **router_kwargs):
-    """A real router over real worker processes (tiny fp32 model); everything stopped after."""
+    """A real router over real worker processes (tiny fp32 model), brought up by `deploy` as
+    `kvbaton serve` does; everything stopped after. Keyword arguments go to the pool's or the
+    router's config, by name."""
     engine = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1,
                           cache=CacheConfig(block_size=block_size, num_blocks=256))
-    config = RouterConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **router_kwargs})
-    secret = cluster_secret()
-    router = Router(engine, Tokenizer(model_dir), LocalLauncher(secret, log_dir), secret, config,
-                    ConnectorSpec(transport, redis_url=redis_url))
+    pool_kwargs = {k: v for k, v in router_kwargs.items() if k in POOL_FIELDS}
+    pool = PoolConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **pool_kwargs})
+    config = RouterConfig(**{k: v for k, v in router_kwargs.items() if k not in POOL_FIELDS})
+    spec = DeploymentSpec(num_prefill=prefill, num_decode=decode, kv_transport=transport, redis_url=redis_url,
+                          router=config, pool=pool, log_dir=log_dir)
+    deployment = await deploy(engine, Tokenizer(model_dir), spec)
     try:
-        await router.start(prefill, decode)
-        yield router
-        await assert_pools_clean(router)
+        yield deployment.router
+        await assert_pools_clean(deployment.router)
     finally:
-        await router.shutdown()
+        await deployment.shutdown()
 
 
 async def assert_pools_clean(router: Router, wait_s: float = 5.0) -> None:

@@ -30,18 +30,18 @@ def test_add_then_drain_under_load(tiny_llama):
             with pytest.raises(KeyError):
                 await router.drain_worker("kvbaton-both-9")
             await router.drain_worker("kvbaton-both-0")  # still busy with the first four
-            old_pid = router.workers["kvbaton-both-0"].pid
+            old_pid = router.pool.workers["kvbaton-both-0"].pid
             second = [asyncio.create_task(collect(router, f"b{i}", p, max_new))
                       for i, p in enumerate(prompts[4:])]
             outs = await asyncio.gather(*first, *second)
             for _ in range(100):  # the drained worker exits once idle (bounded wait)
-                if "kvbaton-both-0" not in router.workers:
+                if "kvbaton-both-0" not in router.pool.workers:
                     break
                 await asyncio.sleep(0.1)
             names = [w["name"] for w in router.workers_view()]
             with pytest.raises(ValueError, match="last"):
                 await router.drain_worker(name)
-            return outs, names, router.launcher.is_alive("kvbaton-both-0"), old_pid
+            return outs, names, router.pool.launcher.is_alive("kvbaton-both-0"), old_pid
 
     outs, names, old_alive, _ = run(scenario())
     assert outs == hf_greedy(tiny_llama, prompts, max_new)

@@ -100,7 +100,7 @@ async def _kill_when(router, predicate, sig=signal.SIGKILL, timeout_s: float = 6
     while time.monotonic() < deadline:
         name = predicate(router)
         if name is not None:
-            pid = router.workers[name].pid
+            pid = router.pool.workers[name].pid
             os.kill(pid, sig)
             return name, pid
         await asyncio.sleep(0.002)

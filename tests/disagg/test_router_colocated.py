@@ -34,7 +34,7 @@ def test_replica_killed_mid_stream_loses_nothing(tiny_llama):
     async def scenario():
         async with router_over(tiny_llama, prefill=0, decode=2, decode_policy="round_robin",
                                dead_after_s=1.0) as router:
-            victim = router.workers["kvbaton-both-1"]
+            victim = router.pool.workers["kvbaton-both-1"]
             killed = asyncio.Event()
 
             async def on_token(request_id: str, n: int) -> None:

@@ -21,7 +21,7 @@ def test_bad_frames_are_refused_and_the_worker_keeps_serving(tiny_llama, tmp_pat
 
     async def scenario():
         async with router_over(tiny_llama, prefill=0, decode=1, log_dir=tmp_path) as router:
-            worker = router.workers["kvbaton-both-0"]
+            worker = router.pool.workers["kvbaton-both-0"]
             ctx = zmq.Context()
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 1000)

@@ -67,7 +67,8 @@ class Harness:
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int | None = 8, priority: int = 0,
             arrival: float = 0.0, eos: tuple[int, ...] = (), **params) -> Request:
-        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos, priority, arrival)
+        req = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params), eos_token_ids=eos,
+                      priority=priority, arrival_time=arrival)
         self.sched.add_request(req)
         return req
 

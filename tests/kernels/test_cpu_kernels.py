@@ -20,6 +20,7 @@ from kvbaton.kernels import (
     small_batch_linear,
 )
 from kvbaton.layers.linear import Linear
+from kvbaton.platform.cpu import has_native_bf16
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"
@@ -190,6 +191,7 @@ def test_add_rms_norm_rounds_like_hf(with_residual):
     assert (out == ref).float().mean() > 0.98
 
 
+@pytest.mark.skipif(has_native_bf16(), reason="this CPU has native bf16: linears stay on oneDNN (next test)")
 def test_bf16_engine_uses_packed_weights(tiny_models):
     model = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8).engine.core.runner.model
     mlps = [layer.mlp for layer in model.layers]
@@ -199,6 +201,17 @@ def test_bf16_engine_uses_packed_weights(tiny_models):
     assert model.norm.kernel is not None
     plain = LLM(str(tiny_models["llama"]), dtype="bfloat16", kernels=False).engine.core.runner.model
     assert plain.lm_head.packed is None and plain.layers[0].mlp.fused_gate_up is None and plain.norm.kernel is None
+
+
+@pytest.mark.skipif(not has_native_bf16(), reason="this CPU emulates bf16: C kernels take the linears (previous test)")
+def test_native_bf16_engine_leaves_linears_and_norms_to_torch(tiny_models):
+    """With AVX512-BF16/AMX, torch's bf16 matmuls (oneDNN) beat the AVX2 C kernels, so the engine
+    keeps PyTorch's path for every linear and norm (the choice per layer is issue 11's platform layer)."""
+    model = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8).engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is None and m.small_batch_kernel is None and m.fp32_weight is None
+                           for m in linears)
+    assert all(layer.mlp.fused_gate_up is None for layer in model.layers) and model.norm.kernel is None
 
 
 def test_copy_rows_scatters_whole_rows():

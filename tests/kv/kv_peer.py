@@ -21,9 +21,15 @@ import torch
 
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_sender
 from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.pools import KVPools
 from kvbaton.wire import SECRET_ENV
 
 LAYERS, BLOCK, HEADS, DIM, BLOCKS = 4, 4, 2, 8, 48
+
+
+def kv_layout(dtype: torch.dtype, head_dim: int = DIM) -> KVLayout:
+    return KVLayout.standard(num_layers=LAYERS, block_size=BLOCK, num_kv_heads=HEADS, head_dim=head_dim,
+                             dtype=str(dtype).removeprefix("torch."))
 
 
 def pool_shape(num_blocks: int = BLOCKS) -> tuple[int, int, int, int]:
@@ -63,21 +69,20 @@ def main() -> None:
     watchdog.start()
 
     dtype = getattr(torch, args.dtype)
-    handle = None
+    layout = kv_layout(dtype)
     if args.shared:
-        from kvbaton.kv.connectors.shm import allocate_shared_kv_caches
+        from kvbaton.kv.connectors.shm.segments import allocate_shared_pools
 
-        pools, handle = allocate_shared_kv_caches(LAYERS, pool_shape(), dtype, "kvpeer")
-        seeded_pools(args.seed, dtype, out=pools)
+        pools = allocate_shared_pools(layout, BLOCKS, "kvpeer")
+        seeded_pools(args.seed, dtype, out=pools.caches)
     else:
-        pools = seeded_pools(args.seed, dtype)
-    layout = KVLayout.of(pools, BLOCK)
+        pools = KVPools(layout, seeded_pools(args.seed, dtype))
     config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), worker_name="kvpeer")
-    sender = make_sender(config, layout, pools)
+    sender = make_sender(config, pools)
     src = [int(b) for b in args.src.split(",")]
     dst = [int(b) for b in args.dst.split(",")]
     sender.begin(TransferSpec("x", src, dst, args.address, layout, deadline_s=20.0))
-    emit("ready", segment=handle.name if handle else None)
+    emit("ready", segment=pools.shared.name if pools.shared else None)
     for layer in range(args.layers):
         sender.save_layer(layer, ["x"])
     emit("sent", layers=args.layers)
@@ -91,8 +96,7 @@ def main() -> None:
             break
         time.sleep(0.005)
     sender.close()
-    if handle is not None:
-        handle.close()
+    pools.close()  # unlinks a shared pool's segment
     sys.exit(0)
 
 

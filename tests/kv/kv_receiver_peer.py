@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from kv_peer import BLOCK, BLOCKS, DIM, HEADS, LAYERS, kv_layout
 
 from kvbaton.kv.connectors import ConnectorConfig, PollResult, make_receiver
-from kvbaton.kv.layout import KVLayout, block_view
+from kvbaton.kv.pools import KVPools, block_view
 from kvbaton.wire import SECRET_ENV
 
-LAYERS, BLOCK, HEADS, DIM, BLOCKS = 4, 4, 2, 8, 48
 REDIS_URL_ENV = "KVBATON_TEST_REDIS_URL"  # a secret (it holds the password): environment, not argv
 
 
@@ -45,7 +45,7 @@ def pools(dtype: torch.dtype, seed: int | None = None) -> list[torch.Tensor]:
 
 
 def rows(pools: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
-    layout = KVLayout.of(pools, BLOCK)
+    layout = kv_layout(pools[0].dtype)
     return [block_view(p, layout)[block_ids] for p in pools]
 
 
@@ -136,7 +136,7 @@ def main() -> None:
     receivers, kvs = {}, {}
     for dtype in args.dtypes.split(","):
         kvs[dtype] = pools(getattr(torch, dtype))
-        receivers[dtype] = make_receiver(config, KVLayout.of(kvs[dtype], BLOCK), kvs[dtype])
+        receivers[dtype] = make_receiver(config, KVPools(kv_layout(getattr(torch, dtype)), kvs[dtype]))
         receivers[dtype].expect(f"x-{dtype}", dst, args.deadline_s)
     emit("ready", addresses={d: r.address for d, r in receivers.items()}, pid=os.getpid())
     outcomes = poll_until(list(receivers.values()), lambda *o: all(x.completed or x.failed for x in o),

@@ -1,7 +1,7 @@
 """The `shm` and `tcp` KV transports over real sockets and real shared memory, all on 127.0.0.1.
 
 Variants: "tcp"; "shm" (plain pools: the sender stages each transfer); "shm-shared" (the sender's
-pools come from `allocate_shared_kv_caches`: zero-copy). Waits are bounded; every process a test
+pools come from `allocate_shared_pools`: zero-copy). Waits are bounded; every process a test
 starts is stopped by it.
 """
 
@@ -22,13 +22,23 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
-from kv_peer import BLOCK, BLOCKS, DIM, HEADS, LAYERS, pool_shape, seeded_pools
+from kv_peer import BLOCKS, DIM, LAYERS, kv_layout, pool_shape, seeded_pools
 
-from kvbaton.kv.connectors import ConnectorConfig, KVReceiver, KVSender, TransferSpec, make_receiver, make_sender
-from kvbaton.kv.connectors._transport import NOT_EXPECTING, Ack
-from kvbaton.kv.connectors.shm import SHM_DIR, ShmLayer, allocate_shared_kv_caches
+from kvbaton.kv.connectors import (
+    ConnectorConfig,
+    KVReceiver,
+    KVSender,
+    TransferSpec,
+    make_receiver,
+    make_sender,
+    pool_allocator,
+)
+from kvbaton.kv.connectors.shm import ShmLayer
+from kvbaton.kv.connectors.shm.segments import SHM_DIR
 from kvbaton.kv.connectors.tcp import TcpLayer
+from kvbaton.kv.connectors.zmq import NOT_EXPECTING, Ack
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
+from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.rows import copy_rows
 from kvbaton.wire import SECRET_ENV, SignedCodec
 
@@ -57,17 +67,15 @@ def make_pair():
 
     def make(variant: str, dtype: torch.dtype = torch.bfloat16, seed: int = 0, recv_dim: int = DIM) -> Pair:
         config = ConnectorConfig(variant.split("-")[0], SECRET, worker_name="kvtest")
-        closers = []
-        if variant == "shm-shared":
-            src, handle = allocate_shared_kv_caches(LAYERS, pool_shape(), dtype, "kvtest")
-            seeded_pools(seed, dtype, out=src)
-            closers.append(handle.close)
+        if variant == "shm-shared":  # what a shm prefill worker allocates: pools in shared memory
+            src = pool_allocator(config, sending=True)(kv_layout(dtype), BLOCKS)
+            seeded_pools(seed, dtype, out=src.caches)
         else:
-            src = seeded_pools(seed, dtype)
-        dst = [torch.zeros(BLOCKS * BLOCK, 2, HEADS, recv_dim, dtype=dtype) for _ in range(LAYERS)]
-        receiver = make_receiver(config, KVLayout.of(dst, BLOCK), dst)
-        sender = make_sender(config, KVLayout.of(src, BLOCK), src)
-        pair = Pair(sender, receiver, src, dst, [sender.close, receiver.close, *closers])
+            src = KVPools(kv_layout(dtype), seeded_pools(seed, dtype))
+        dst = allocate_pools(kv_layout(dtype, head_dim=recv_dim), BLOCKS)  # zeros
+        receiver = make_receiver(config, dst)
+        sender = make_sender(config, src)
+        pair = Pair(sender, receiver, src.caches, dst.caches, [sender.close, receiver.close, src.close])
         pairs.append(pair)
         return pair
 
@@ -155,18 +163,22 @@ def test_copy_rows_matches_indexing(n):
 
 
 def test_shared_pool_allocator_gives_zero_copy_senders():
-    pools, handle = allocate_shared_kv_caches(LAYERS, pool_shape(), torch.bfloat16, "kvtest-alloc")
+    config = ConnectorConfig("shm", SECRET, worker_name="kvtest-alloc")
+    assert pool_allocator(config, sending=False) is allocate_pools  # receivers, and other transports
+    assert pool_allocator(ConnectorConfig("tcp", SECRET), sending=True) is allocate_pools
+    layout = kv_layout(torch.bfloat16)
+    shared = pool_allocator(config, sending=True)(layout, BLOCKS)
+    pools, handle = shared.caches, shared.shared
     try:
         assert [p.shape for p in pools] == [pool_shape()] * LAYERS and all(p.is_contiguous() for p in pools)
         assert not any(p.any() for p in pools)
         assert handle.name in my_segments("pool") and "kvtest-alloc" in handle.name
-        layout = KVLayout.of(pools, BLOCK)
-        for kv_caches, zero_copy in ((pools, True), (seeded_pools(0, torch.bfloat16), False)):
-            sender = make_sender(ConnectorConfig("shm", SECRET), layout, kv_caches)
+        for kv_pools, zero_copy in ((shared, True), (KVPools(layout, seeded_pools(0, torch.bfloat16)), False)):
+            sender = make_sender(ConnectorConfig("shm", SECRET), kv_pools)
             assert sender.zero_copy is zero_copy
             sender.close()
     finally:
-        handle.close()
+        shared.close()
     assert handle.name not in my_segments("pool")
     assert pools[0].add_(1).sum() > 0  # unlinked, but still this process's memory until the tensors go
 
@@ -205,9 +217,8 @@ def test_unreachable_receiver_fails_by_deadline(transport):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    pools = seeded_pools(0, torch.bfloat16)
-    layout = KVLayout.of(pools, BLOCK)
-    sender = make_sender(ConnectorConfig(transport, SECRET), layout, pools)
+    layout = kv_layout(torch.bfloat16)
+    sender = make_sender(ConnectorConfig(transport, SECRET), KVPools(layout, seeded_pools(0, torch.bfloat16)))
     try:
         sender.begin(TransferSpec("a", [1, 2], [3, 4], f"tcp://127.0.0.1:{port}", layout, deadline_s=0.3))
         for layer in range(LAYERS):
@@ -386,8 +397,9 @@ def _peer_args(transport: str, address: str, seed: int, src: list[int], dst: lis
 @pytest.mark.parametrize("variant", ["shm-shared", "tcp"])
 def test_sender_in_another_process(variant, tmp_path):
     transport, seed = variant.split("-")[0], 11
-    dst_pools = [torch.zeros(pool_shape(), dtype=torch.bfloat16) for _ in range(LAYERS)]
-    receiver = make_receiver(ConnectorConfig(transport, SECRET), KVLayout.of(dst_pools, BLOCK), dst_pools)
+    pools = allocate_pools(kv_layout(torch.bfloat16), BLOCKS)
+    dst_pools = pools.caches
+    receiver = make_receiver(ConnectorConfig(transport, SECRET), pools)
     src, dst = random_ids(random.Random(8), 12, 12)
     receiver.expect("x", dst, 30.0)
     extra = ["--shared"] if variant == "shm-shared" else []

@@ -18,14 +18,11 @@ import torch
 import zmq
 
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender  # noqa: E402
-from kvbaton.kv.connectors.mooncake import (  # noqa: E402
-    PROTOCOL_ENV,
-    LayerReady,
-    Offer,
-    ToReceiver,
-    contiguous_runs,
-)
+from kvbaton.kv.connectors.mooncake import LayerReady, Offer, ToReceiver  # noqa: E402
+from kvbaton.kv.connectors.mooncake.engine import PROTOCOL_ENV  # noqa: E402
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch  # noqa: E402
+from kvbaton.kv.pools import KVPools  # noqa: E402
+from kvbaton.kv.rows import contiguous_runs  # noqa: E402
 from kvbaton.wire import SECRET_ENV, SignedCodec  # noqa: E402
 
 SECRET = secrets.token_hex(16).encode()
@@ -45,8 +42,8 @@ def connectors():
     def make(dtype: torch.dtype = torch.bfloat16):
         config = ConnectorConfig("mooncake", SECRET, worker_name="t")
         src, dst = peer.pools(dtype, seed=len(made)), peer.pools(dtype)
-        layout = KVLayout.of(src, peer.BLOCK)
-        pair = (make_sender(config, layout, src), make_receiver(config, layout, dst), src, dst)
+        layout = peer.kv_layout(dtype)
+        pair = (make_sender(config, KVPools(layout, src)), make_receiver(config, KVPools(layout, dst)), src, dst)
         made.append(pair)
         return pair
 
@@ -105,7 +102,7 @@ def test_sender_and_receiver_in_different_processes():
     proc = peer.spawn("mooncake", list(DTYPES), dst_ids, {SECRET_ENV: SECRET.decode(), PROTOCOL_ENV: "tcp"})
     config = ConnectorConfig("mooncake", SECRET)
     srcs = {name: peer.pools(dtype, seed=7) for name, dtype in DTYPES.items()}
-    senders = {name: make_sender(config, KVLayout.of(src, peer.BLOCK), src) for name, src in srcs.items()}
+    senders = {name: make_sender(config, KVPools(peer.kv_layout(DTYPES[name]), src)) for name, src in srcs.items()}
     try:
         ready = peer.read_event(proc, 30.0)
         for name, sender in senders.items():
@@ -207,7 +204,8 @@ def test_a_bad_offer_fails_alone(connectors):
 
 def test_refusals(connectors, monkeypatch):
     sender, receiver, src, dst = connectors()
-    other = KVLayout(peer.LAYERS, peer.BLOCK * 2, peer.HEADS, peer.DIM, "bfloat16")
+    other = KVLayout.standard(num_layers=peer.LAYERS, block_size=peer.BLOCK * 2, num_kv_heads=peer.HEADS,
+                              head_dim=peer.DIM, dtype="bfloat16")
     with pytest.raises(KVLayoutMismatch, match="block_size"):
         sender.begin(spec("e", [0], [0], receiver.address, other))
     receiver.expect("moved", [1, 2], 10.0)  # the sender was told other destination blocks
@@ -217,7 +215,7 @@ def test_refusals(connectors, monkeypatch):
     assert not any(p.any() for p in dst)
     monkeypatch.setenv(PROTOCOL_ENV, "carrier-pigeon")
     with pytest.raises(ValueError, match=PROTOCOL_ENV):
-        make_receiver(ConnectorConfig("mooncake", SECRET), sender.layout, dst)
+        make_receiver(ConnectorConfig("mooncake", SECRET), KVPools(sender.layout, dst))
 
 
 def test_contiguous_runs():

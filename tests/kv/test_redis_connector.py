@@ -18,6 +18,7 @@ import torch
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender
 from kvbaton.kv.connectors.redis import KEY_PREFIX, LayerStored, Notice, dst_digest
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
+from kvbaton.kv.pools import KVPools
 from kvbaton.kv.redis_server import redis_server_binary, start_redis_server
 from kvbaton.wire import SECRET_ENV, SignedCodec
 
@@ -52,8 +53,8 @@ def connectors(server):
     def make(dtype: torch.dtype = torch.bfloat16, secret: bytes = SECRET):
         config = ConnectorConfig("redis", secret, redis_url=server.url, redis_ttl_s=TTL_S, worker_name="t")
         src, dst = peer.pools(dtype, seed=len(made)), peer.pools(dtype)
-        layout = KVLayout.of(src, peer.BLOCK)
-        pair = (make_sender(config, layout, src), make_receiver(config, layout, dst), src, dst)
+        layout = peer.kv_layout(dtype)
+        pair = (make_sender(config, KVPools(layout, src)), make_receiver(config, KVPools(layout, dst)), src, dst)
         made.append(pair)
         return pair
 
@@ -106,7 +107,7 @@ def test_sender_and_receiver_in_different_processes(server):
     proc = peer.spawn("redis", list(DTYPES), dst_ids, {SECRET_ENV: SECRET.decode(), peer.REDIS_URL_ENV: server.url})
     config = ConnectorConfig("redis", SECRET, redis_url=server.url, redis_ttl_s=TTL_S)
     srcs = {name: peer.pools(dtype, seed=7) for name, dtype in DTYPES.items()}
-    senders = {name: make_sender(config, KVLayout.of(src, peer.BLOCK), src) for name, src in srcs.items()}
+    senders = {name: make_sender(config, KVPools(peer.kv_layout(DTYPES[name]), src)) for name, src in srcs.items()}
     try:
         ready = peer.read_event(proc, 30.0)
         for name, sender in senders.items():
@@ -243,11 +244,12 @@ def test_cancel_and_abort(connectors, store):
 
 def test_layout_mismatch_and_missing_url(connectors, server):
     sender, receiver, src, dst = connectors()
-    other = KVLayout(peer.LAYERS, peer.BLOCK * 2, peer.HEADS, peer.DIM, "bfloat16")
+    other = KVLayout.standard(num_layers=peer.LAYERS, block_size=peer.BLOCK * 2, num_kv_heads=peer.HEADS,
+                              head_dim=peer.DIM, dtype="bfloat16")
     with pytest.raises(KVLayoutMismatch, match="block_size"):
         sender.begin(spec("e", [0], [0], receiver.address, other))
     with pytest.raises(ValueError, match="redis_url"):
-        make_sender(ConnectorConfig("redis", SECRET), sender.layout, src)
+        make_sender(ConnectorConfig("redis", SECRET), sender.pools)
 
 
 def test_private_server_needs_its_password_and_stops_by_pid():
@@ -281,8 +283,8 @@ def test_a_dead_store_fails_transfers_with_a_reason():
     srv = start_redis_server()
     config = ConnectorConfig("redis", SECRET, redis_url=srv.url, redis_ttl_s=TTL_S, worker_name="t")
     src, dst = peer.pools(torch.float32, seed=1), peer.pools(torch.float32)
-    layout = KVLayout.of(src, peer.BLOCK)
-    sender, receiver = make_sender(config, layout, src), make_receiver(config, layout, dst)
+    layout = peer.kv_layout(torch.float32)
+    sender, receiver = make_sender(config, KVPools(layout, src)), make_receiver(config, KVPools(layout, dst))
     try:
         srv.stop()
         src_ids, dst_ids = blocks(9)

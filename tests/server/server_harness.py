@@ -21,10 +21,14 @@ def free_port() -> int:
 
 
 def child_pids(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
+    """Children of every thread of `pid` (a worker may be started from a thread other than the main one)."""
+    pids: list[int] = []
+    for children in sorted(Path(f"/proc/{pid}/task").glob("*/children")):
+        try:
+            pids += [int(p) for p in children.read_text().split()]
+        except FileNotFoundError:  # the thread exited meanwhile
+            pass
+    return pids
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,36 +1,47 @@
-"""KV transports behind one contract (`base.py`), created by name."""
+"""KV transports behind one contract (`base.py`), created by name: package `<transport>` has modules
+`sender` (a `Sender`) and `receiver` (a `Receiver`), imported only when one is made, so an unused
+transport's dependencies are never loaded. Importing this package needs no torch (the scheduler's side).
+"""
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING
 
-from kvbaton.kv.connectors.base import ConnectorConfig, KVReceiver, KVSender, PollResult, TransferSpec
-from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.connectors.base import TRANSPORTS, ConnectorConfig, KVReceiver, KVSender, PollResult, TransferSpec
 
-TRANSPORTS = ("shm", "tcp", "redis", "mooncake")
+if TYPE_CHECKING:
+    from kvbaton.kv.pools import KVPools, PoolAllocator
 
-
-def _module(transport: str):
-    if transport == "shm":
-        from kvbaton.kv.connectors import shm as mod
-    elif transport == "tcp":
-        from kvbaton.kv.connectors import tcp as mod
-    elif transport == "redis":
-        from kvbaton.kv.connectors import redis as mod
-    elif transport == "mooncake":
-        from kvbaton.kv.connectors import mooncake as mod
-    else:
+def _role(transport: str, role: str):
+    """`kvbaton.kv.connectors.<transport>.<role>`, imported now (only the role asked for)."""
+    if transport not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
-    return mod
+    return importlib.import_module(f"{__name__}.{transport}.{role}")
 
 
-def make_sender(config: ConnectorConfig, layout: KVLayout, kv_caches: list[torch.Tensor]) -> KVSender:
-    return _module(config.transport).Sender(config, layout, kv_caches)
+def make_sender(config: ConnectorConfig, pools: KVPools) -> KVSender:
+    """The prefill side of `config.transport` over `pools` (from `pool_allocator(config, sending=True)`)."""
+    return _role(config.transport, "sender").Sender(config, pools)
 
 
-def make_receiver(config: ConnectorConfig, layout: KVLayout, kv_caches: list[torch.Tensor]) -> KVReceiver:
-    return _module(config.transport).Receiver(config, layout, kv_caches)
+def make_receiver(config: ConnectorConfig, pools: KVPools) -> KVReceiver:
+    """The decode side of `config.transport` over `pools`."""
+    return _role(config.transport, "receiver").Receiver(config, pools)
 
 
-__all__ = ["ConnectorConfig", "KVReceiver", "KVSender", "PollResult", "TransferSpec", "make_receiver",
-           "make_sender", "TRANSPORTS"]
+def pool_allocator(config: ConnectorConfig, sending: bool) -> PoolAllocator:
+    """How a worker that sends (prefill) or receives (decode) over `config.transport` allocates its KV
+    pools: a shm sender's in shared memory, named after `config.worker_name`, so receivers copy blocks
+    straight out of them (zero-copy); anyone else's in its own memory."""
+    if sending and config.transport == "shm":
+        from kvbaton.kv.connectors.shm.segments import allocate_shared_pools
+
+        return lambda layout, num_blocks: allocate_shared_pools(layout, num_blocks, config.worker_name)
+    from kvbaton.kv.pools import allocate_pools
+
+    return allocate_pools
+
+
+__all__ = ["TRANSPORTS", "ConnectorConfig", "KVReceiver", "KVSender", "PollResult", "TransferSpec",
+           "make_receiver", "make_sender", "pool_allocator"]

@@ -1,12 +1,12 @@
 """The KV connector contract: how a prefill worker hands a request's KV blocks to a decode worker.
 
 Split by role, like the two halves of vLLM's connector: a `KVSender` lives in the prefill
-worker, a `KVReceiver` in the decode worker. Both are called only from their worker's engine
-loop thread (between steps, and — for `save_layer` — between layers of a forward pass); any
-network I/O happens on the transport's own background threads, so neither call blocks on a
-peer. Control messages a transport exchanges with its peer (acks, "layer ready") go through
-`kvbaton.wire.SignedCodec` frames; bulk data is authenticated the same way unless
-the transport's medium is private to the cluster (shared memory on one host).
+worker, a `KVReceiver` in the decode worker, each built over that worker's `KVPools`. Both are
+called only from their worker's engine loop thread (between steps, and — for `save_layer` —
+between layers of a forward pass); any network I/O happens on the transport's own background
+threads, so neither call blocks on a peer. Control messages a transport exchanges with its peer
+(acks, "layer ready") are `kvbaton.wire.SignedCodec` frames; bulk data is authenticated the same
+way unless the transport's medium is private to the cluster (shared memory on one host).
 
 Life of one transfer (the router brokers the first two steps):
 
@@ -24,17 +24,24 @@ Invariants every transport keeps:
   reports the request completed or failed, or it `abort()`s it.
 - A transfer that cannot finish (peer gone, timeout, layout mismatch) ends as a failure with
   a reason, on both sides, within the deadline — never as a hang.
+
+NOTE: no torch at import time: the scheduler (which imports no torch) carries `TransferSpec`,
+`PollResult` and `ConnectorConfig`; only a transport's own modules touch tensors.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from kvbaton.kv.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvbaton.kv.pools import KVPools
 
 
 class TransferSpec(msgspec.Struct, frozen=True):
@@ -48,9 +55,12 @@ class TransferSpec(msgspec.Struct, frozen=True):
     deadline_s: float = 30.0  # seconds from begin() until the transfer counts as failed
 
 
+TRANSPORTS = ("shm", "tcp", "redis", "mooncake")  # each a package of this one, with `sender` and `receiver`
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
-    transport: str  # "shm" | "tcp" | "redis" | "mooncake"
+    transport: str  # a name in kvbaton.kv.connectors.TRANSPORTS
     secret: bytes  # cluster secret, for SignedCodec
     host: str = "127.0.0.1"  # address a receiver binds to (tcp, mooncake)
     redis_url: str | None = None  # redis://host:port/db (redis transport)
@@ -65,14 +75,29 @@ class PollResult:
 
 
 class KVSender(ABC):
-    """Prefill side. `kv_caches`: the worker's per-layer pools, `[slots, 2, Hkv, D]` each."""
+    """Prefill side, over the worker's `pools` (their layout is `self.layout`)."""
 
-    def __init__(self, config: ConnectorConfig, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
-        self.config, self.layout, self.kv_caches = config, layout, kv_caches
+    def __init__(self, config: ConnectorConfig, pools: KVPools) -> None:
+        self.config, self.pools, self.layout = config, pools, pools.layout
 
     @abstractmethod
     def begin(self, spec: TransferSpec) -> None:
-        """Register a transfer. Raises KVLayoutMismatch if `spec.layout` differs from ours."""
+        """Register a transfer. Raises what `check_begin` raises."""
+
+    def check_begin(self, spec: TransferSpec, begun: Container[str] = ()) -> None:
+        """The checks of every begin(): ValueError if `spec.request_id` is in `begun` (transports whose
+        messages cannot tell two attempts at a request apart refuse a second; the others pass nothing
+        and supersede the first after this); KVLayoutMismatch if `spec.layout` differs from ours;
+        ValueError if the source and destination lists differ in length, or a source block is outside
+        our pools."""
+        src, num_blocks = spec.src_block_ids, self.pools.num_blocks
+        if spec.request_id in begun:
+            raise ValueError(f"transfer {spec.request_id!r} already begun")
+        self.layout.check_compatible(spec.layout)  # ours first: the message reads prefill vs decode
+        if len(src) != len(spec.dst_block_ids):
+            raise ValueError(f"{len(src)} source blocks for {len(spec.dst_block_ids)} destinations")
+        if src and not (0 <= min(src) and max(src) < num_blocks):
+            raise ValueError(f"source block ids outside this pool of {num_blocks} blocks")
 
     @abstractmethod
     def save_layer(self, layer: int, request_ids: list[str]) -> None:
@@ -94,12 +119,12 @@ class KVSender(ABC):
 
 
 class KVReceiver(ABC):
-    """Decode side. `address` is what senders need to reach this receiver."""
+    """Decode side, over the worker's `pools`. `address` is what senders need to reach it."""
 
     address: str
 
-    def __init__(self, config: ConnectorConfig, layout: KVLayout, kv_caches: list[torch.Tensor]) -> None:
-        self.config, self.layout, self.kv_caches = config, layout, kv_caches
+    def __init__(self, config: ConnectorConfig, pools: KVPools) -> None:
+        self.config, self.pools, self.layout = config, pools, pools.layout
 
     @abstractmethod
     def expect(self, request_id: str, dst_block_ids: list[int], deadline_s: float) -> None:

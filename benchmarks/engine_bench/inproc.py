@@ -1,0 +1,155 @@
+"""The engines measured inside a worker process: kvbaton's `LLM` and HF `generate` (and the
+machine's bandwidth, measured alone in a process of its own too)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+from common.log import log
+from common.machine import measure_bandwidth
+from common.prompts import make_prompts
+from common.records import Bandwidth, Latency, Throughput, WorkerRun
+from engine_bench.measure import PROBE_N, PROBE_OUT, best_of, latency_summary, log_latency, throughput_skip
+
+
+def worker_bandwidth(args: argparse.Namespace) -> Bandwidth:
+    return measure_bandwidth(args.sizes.bw_mb, args.threads)
+
+
+def _kvbaton_latency(llm: Any, prompt: list[int], out_len: int, rid: str) -> Latency:
+    from kvbaton import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    stamps: list[float] = []
+    n = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id == rid:
+                k = len(out.outputs[0].token_ids)
+                stamps.extend([now] * (k - n))  # first step with a token = prefill
+                n = k
+    return latency_summary(t0, stamps, n, len(prompt))
+
+
+def worker_kvbaton(args: argparse.Namespace) -> WorkerRun:
+    import torch
+
+    import kvbaton
+    from kvbaton import LLM, SamplingParams
+
+    s = args.sizes
+    t = time.perf_counter()
+    llm = LLM(args.model_dir, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
+              max_model_len=2048, kv_cache_memory_gb=4.0)
+    load_s = time.perf_counter() - t
+    vocab = llm.engine.model_config.vocab_size
+    tag = f"kvbaton-{args.dtype}-{args.compile}"
+
+    t = time.perf_counter()
+    _kvbaton_latency(llm, make_prompts(args.seed, f"{tag}-warm", 1, s.prompt_len, vocab)[0], 8, "warm")
+    probe_s = None
+    if args.tp:
+        warm = make_prompts(args.seed, f"{tag}-warmbatch", PROBE_N, s.prompt_len, vocab)
+        t_probe = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(max_tokens=PROBE_OUT, ignore_eos=True))
+        probe_s = time.perf_counter() - t_probe
+    warmup_s = time.perf_counter() - t
+    log(f"kvbaton {args.dtype} compile={args.compile}: loaded in {load_s:.1f}s, warm-up {warmup_s:.1f}s")
+
+    prompts = make_prompts(args.seed, "latency", s.latency_repeats, s.prompt_len, vocab)
+    latency = best_of([_kvbaton_latency(llm, p, s.out_len, f"lat-{i}") for i, p in enumerate(prompts)])
+    log_latency("kvbaton", latency)
+
+    def offline() -> Throughput:
+        prompts = make_prompts(args.seed, "throughput", s.tp_prompts, s.prompt_len, vocab)
+        params = SamplingParams(temperature=0.0, max_tokens=s.out_len, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        elapsed = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        log(f"kvbaton throughput: {n_out / elapsed:.1f} output tok/s")
+        return Throughput(elapsed_s=elapsed, output_tokens=n_out, output_tok_s=n_out / elapsed,
+                          total_tok_s=(n_out + s.tp_prompts * s.prompt_len) / elapsed,
+                          preemptions=llm.engine.stats().num_preemptions)
+
+    return WorkerRun(load_s=load_s, torch_threads=torch.get_num_threads(), version=kvbaton.__version__,
+                     compile=args.compile, probe_s=probe_s, warmup_s=warmup_s, latency=latency,
+                     throughput=throughput_skip(args, latency, probe_s) or offline())
+
+
+def worker_hf(args: argparse.Namespace) -> WorkerRun:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    s = args.sizes
+    torch.set_num_threads(args.threads)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
+    load_s = time.perf_counter() - t
+    vocab = model.config.vocab_size
+    pad_id = 2
+
+    class Stamps(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.prompt_seen = False
+
+        def put(self, value: Any) -> None:
+            if not self.prompt_seen:  # generate() first puts the prompt
+                self.prompt_seen = True
+                return
+            self.times.extend([time.perf_counter()] * value.numel())
+
+        def end(self) -> None:
+            pass
+
+    def one(prompt: list[int], out_len: int) -> Latency:
+        ids = torch.tensor([prompt])
+        streamer = Stamps()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                           min_new_tokens=out_len, do_sample=False, streamer=streamer, pad_token_id=pad_id)
+        return latency_summary(t0, streamer.times, len(streamer.times), len(prompt))
+
+    def batch(prompts: list[list[int]], out_len: int) -> tuple[float, int]:
+        width = max(map(len, prompts))  # left padding (a no-op when all prompts are equally long)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len,
+                                 min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
+        return time.perf_counter() - t0, int(out[:, width:].numel())
+
+    def offline() -> Throughput:
+        elapsed, n_out = batch(make_prompts(args.seed, "throughput", s.tp_prompts, s.prompt_len, vocab), s.out_len)
+        log(f"hf throughput: {n_out / elapsed:.1f} output tok/s")
+        return Throughput(elapsed_s=elapsed, output_tokens=n_out, output_tok_s=n_out / elapsed,
+                          total_tok_s=(n_out + s.tp_prompts * s.prompt_len) / elapsed)
+
+    t = time.perf_counter()
+    one(make_prompts(args.seed, "hf-warm", 1, s.prompt_len, vocab)[0], 8)
+    probe_s, _ = batch(make_prompts(args.seed, "hf-warmbatch", PROBE_N, s.prompt_len, vocab), PROBE_OUT)
+    warmup_s = time.perf_counter() - t
+    latency = best_of([one(p, s.out_len)
+                       for p in make_prompts(args.seed, "latency", s.latency_repeats, s.prompt_len, vocab)])
+    log_latency("hf", latency)
+    return WorkerRun(load_s=load_s, torch_threads=torch.get_num_threads(), version=transformers.__version__,
+                     attn_implementation=model.config._attn_implementation, probe_s=probe_s, warmup_s=warmup_s,
+                     latency=latency, throughput=throughput_skip(args, latency, probe_s) or offline())
+
+
+WORKERS: dict[str, Callable[[argparse.Namespace], Any]] = {
+    "bandwidth": worker_bandwidth, "kvbaton": worker_kvbaton, "hf": worker_hf}

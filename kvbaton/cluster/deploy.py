@@ -1,0 +1,116 @@
+"""Bring up a deployment from a typed spec: the workers (local processes or Ray actors), the router
+over them, and whatever they need besides (a private redis-server for the redis transport, a
+private Ray head). Every deployment is the same picture: colocated serving is a router over one
+worker of role `both`, replicas are several `both` workers, PD is prefill + decode pools.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbaton.config import EngineConfig
+from kvbaton.disagg.launcher import Launcher
+from kvbaton.disagg.policies import POLICIES
+from kvbaton.disagg.router import Router, RouterConfig
+from kvbaton.disagg.spec import ConnectorSpec
+from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
+from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.kv.connectors.base import TRANSPORTS
+from kvbaton.wire import cluster_secret
+
+logger = logging.getLogger(__name__)
+
+
+class Backend(str, enum.Enum):
+    LOCAL = "local"  # worker processes on this machine (the embedded default)
+    RAY = "ray"  # Ray actors in placement groups, on this machine or a cluster
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentSpec:
+    num_prefill: int = 0  # 0: the decode workers prefill their own requests (colocated replicas)
+    num_decode: int = 1
+    kv_transport: str = "shm"  # see kvbaton.kv.connectors.TRANSPORTS
+    redis_url: str | None = None  # redis transport: None starts a private redis-server
+    backend: Backend = Backend.LOCAL
+    ray_address: str | None = None  # Ray backend: join this cluster (None: start a private head)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    pool: PoolConfig = field(default_factory=PoolConfig)
+    log_dir: Path | None = None  # local backend: one log file per worker (None: this process's stderr)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("a deployment needs at least one decode worker and no negative pool size")
+        if self.kv_transport not in TRANSPORTS:
+            raise ValueError(f"unknown KV transport {self.kv_transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        for policy in (self.router.prefill_policy, self.router.decode_policy):
+            if policy not in POLICIES:
+                raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass
+class Deployment:
+    """A running deployment: the router (the server's EngineClient) and what to stop besides it."""
+
+    router: Router
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        try:
+            await self.router.shutdown(timeout_s)
+        finally:
+            run_cleanups(self.cleanups)
+
+
+def run_cleanups(cleanups: list[Callable[[], None]]) -> None:
+    """Last started, first stopped; one failing cleanup does not skip the others."""
+    for cleanup in reversed(cleanups):
+        try:
+            cleanup()
+        except Exception:
+            logger.exception("cleanup %s failed", getattr(cleanup, "__qualname__", cleanup))
+
+
+def make_launcher(spec: DeploymentSpec, secret: bytes) -> Launcher:
+    if spec.backend == Backend.RAY:
+        from kvbaton.cluster.ray import RayLauncher
+
+        return RayLauncher(secret, address=spec.ray_address)
+    from kvbaton.cluster.local import LocalLauncher
+
+    return LocalLauncher(secret, spec.log_dir)
+
+
+async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpec,
+                 secret: bytes | None = None) -> Deployment:
+    """Start everything `spec` asks for and return once every worker has joined; on failure,
+    whatever was started is stopped again before the error propagates."""
+    secret = secret or cluster_secret()
+    cleanups: list[Callable[[], None]] = []
+    router: Router | None = None
+    try:
+        redis_url = spec.redis_url
+        if spec.kv_transport == "redis" and redis_url is None:
+            from kvbaton.kv.redis_server import start_redis_server
+
+            server = start_redis_server()
+            cleanups.append(server.stop)
+            redis_url = server.url
+        launcher = make_launcher(spec, secret)
+        cleanups.append(launcher.close)
+        host = launcher.start()  # workers on other nodes must reach the router there
+        # NOTE: the KV receiver binds loopback unless told otherwise; a Ray actor rebinds it to its node
+        connector = ConnectorSpec(transport=spec.kv_transport, redis_url=redis_url)
+        pool = WorkerPool(engine, launcher, secret, spec.pool, connector, host=host)
+        router = Router(pool, tokenizer, spec.router)
+        await router.start(spec.num_prefill, spec.num_decode)
+    except BaseException:
+        if router is not None:
+            await router.shutdown()
+        run_cleanups(cleanups)
+        raise
+    return Deployment(router, cleanups)

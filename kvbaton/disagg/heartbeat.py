@@ -1,0 +1,41 @@
+"""A worker's heartbeat: its last known load, sent to the router every `interval_s` from a thread of
+its own, so a long prefill step does not look like a dead worker while a stopped or killed process
+falls silent (the router declares it dead after its `dead_after_s`)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from kvbaton.disagg.messages import FromWorker, Heartbeat, WorkerLoad
+from kvbaton.wire import SignedCodec
+
+
+class HeartbeatThread:
+    def __init__(self, name: str, router: str, interval_s: float, secret: bytes, ctx: zmq.Context,
+                 load: Callable[[], WorkerLoad]) -> None:
+        self.name, self.router, self.interval_s, self._ctx, self._load = name, router, interval_s, ctx, load
+        # NOTE: its own codec and socket: neither encoders nor ZeroMQ sockets are shared across threads.
+        self._codec = SignedCodec(secret, FromWorker)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2 * self.interval_s + 1)
+
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.router)
+        try:
+            while not self._stop.wait(self.interval_s):
+                sock.send(self._codec.encode(Heartbeat(self.name, self._load())))
+        finally:
+            sock.close()

@@ -1,0 +1,316 @@
+"""The router's pool of workers: who is in it, in which role, how loaded, and whether alive.
+
+It starts workers through a `Launcher`, registers them when they say hello, keeps their last
+reported load, watches their heartbeats and processes, fences (kills) a worker that falls silent
+or exits, drains and retires workers on request, and aggregates the pool's stats. It knows
+nothing of requests: every request-level message, and the news that a worker is gone, goes to
+its `PoolListener` (the router).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvbaton.config import EngineConfig
+from kvbaton.disagg.launcher import Launcher
+from kvbaton.disagg.messages import (
+    CheckIntegrity,
+    Drain,
+    Drained,
+    FromWorker,
+    Heartbeat,
+    IntegrityReport,
+    Shutdown,
+    ToWorker,
+    WorkerHello,
+    WorkerLoad,
+    WorkerOutputs,
+)
+from kvbaton.disagg.spec import ConnectorSpec, WorkerRole, WorkerSpec
+from kvbaton.engine.errors import EngineDeadError
+from kvbaton.engine.info import EngineInfo, EngineStats
+from kvbaton.kv.layout import KVLayout
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SignedCodec
+
+logger = logging.getLogger(__name__)
+StatsListener = Callable[[EngineStats], None]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    heartbeat_s: float = 0.5
+    dead_after_s: float = 5.0  # no heartbeat for this long: the worker is gone
+    start_timeout_s: float = 600.0
+
+
+@dataclass(kw_only=True)
+class WorkerHandle:
+    name: str
+    role: WorkerRole
+    index: int
+    pid: int
+    address: str
+    info: EngineInfo
+    layout: KVLayout
+    receiver: str | None
+    load: WorkerLoad
+    socket: zmq.asyncio.Socket
+    last_seen: float = field(default_factory=time.monotonic)
+    alive: bool = True
+    draining: bool = False
+    attempts: set[str] = field(default_factory=set)  # attempt ids it works on
+
+    @property
+    def load_score(self) -> float:
+        s = self.load.stats
+        return s.num_running + s.num_waiting + self.load.num_receiving + len(self.attempts) + s.kv_cache_usage
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role.decodes
+
+    @property
+    def routable(self) -> bool:
+        return self.alive and not self.draining
+
+    def view(self) -> dict[str, Any]:
+        s = self.load.stats
+        return {"name": self.name, "role": self.role.value, "index": self.index, "pid": self.pid,
+                "address": self.address, "healthy": self.alive, "draining": self.draining,
+                "num_running": s.num_running, "num_waiting": s.num_waiting, "num_receiving": self.load.num_receiving,
+                "num_sending": self.load.num_sending, "kv_cache_usage": s.kv_cache_usage,
+                "in_flight": len(self.attempts)}
+
+
+class PoolListener(Protocol):
+    """What the pool tells the router."""
+
+    async def on_worker_message(self, worker: WorkerHandle, msg: msgspec.Struct) -> None:
+        """A request-level message (outputs, receive ready / refused, failures) from a live worker."""
+        ...
+
+    async def on_worker_lost(self, worker: WorkerHandle, reason: str) -> None:
+        """`worker` was declared dead, fenced and dropped from the pool; its attempts need a new home."""
+        ...
+
+    def on_worker_retired(self, worker: WorkerHandle) -> None:
+        """`worker` was drained and stopped: nothing was in flight on it."""
+        ...
+
+
+class WorkerPool:
+    def __init__(self, engine: EngineConfig, launcher: Launcher, secret: bytes, config: PoolConfig = PoolConfig(),
+                 connector: ConnectorSpec | None = None, host: str = "127.0.0.1") -> None:
+        self.engine_config, self.launcher, self.config, self.host = engine, launcher, config, host
+        self.connector = connector or ConnectorSpec()
+        self.listener: PoolListener | None = None
+        self.workers: dict[str, WorkerHandle] = {}
+        self.info: EngineInfo | None = None
+        self.stats = EngineStats()
+        self.address = ""
+        self._codec_out = SignedCodec(secret, ToWorker)
+        self._codec_in = SignedCodec(secret, FromWorker)
+        self._ctx = zmq.asyncio.Context()
+        self._next_index = dict.fromkeys(WorkerRole, 0)
+        self._stats_listeners: list[StatsListener] = []
+        self._tasks: list[asyncio.Task] = []
+        self._hello = asyncio.Event()
+        self._integrity: dict[str, asyncio.Future] = {}
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def start(self, num_prefill: int, num_decode: int) -> None:
+        """Start `num_prefill` prefill and `num_decode` decode workers (colocated `both` workers when
+        there is no prefill pool) and wait until every one has said hello."""
+        self._events = self._ctx.socket(zmq.PULL)
+        self._events.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME_BYTES)
+        port = self._events.bind_to_random_port(f"tcp://{self.host}")
+        self.address = f"tcp://{self.host}:{port}"
+        self._tasks = [asyncio.create_task(self._event_loop()), asyncio.create_task(self._watchdog())]
+        decode_role = WorkerRole.DECODE if num_prefill else WorkerRole.BOTH
+        names = [await self.add_worker(WorkerRole.PREFILL) for _ in range(num_prefill)]
+        names += [await self.add_worker(decode_role) for _ in range(num_decode)]
+        await self.wait_for_workers(names, self.config.start_timeout_s)
+
+    async def add_worker(self, role: WorkerRole) -> str:
+        """Start one more worker in `role`; it joins the pool when it says hello."""
+        spec = WorkerSpec(role=role, index=self._next_index[role], engine=self.engine_config, router=self.address,
+                          host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s)
+        self._next_index[role] += 1
+        # NOTE: off the event loop: a Ray launch waits for its placement group.
+        await asyncio.to_thread(self.launcher.launch, spec)
+        return spec.name
+
+    async def wait_for_workers(self, names: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not all(n in self.workers for n in names):
+            dead = [n for n in names if n not in self.workers and not self.launcher.is_alive(n)]
+            if dead:
+                raise EngineDeadError(f"worker(s) {', '.join(dead)} exited during start-up")
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"workers not ready after {timeout_s:.0f} s")
+            self._hello.clear()
+            try:
+                await asyncio.wait_for(self._hello.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+    async def drain_worker(self, name: str) -> None:
+        """Stop routing to `name`; it shuts down once its requests are done (`Drained`).
+        KeyError: no live worker of that name; ValueError: it is the last of its role."""
+        worker = self.workers.get(name)
+        if worker is None or not worker.alive:
+            raise KeyError(name)
+        if not any(w.routable and w.role == worker.role and w is not worker for w in self.workers.values()):
+            raise ValueError(f"{name} is the last {worker.role.value} worker; add another before draining it")
+        worker.draining = True
+        await self.send(worker, Drain())
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for worker in self.workers.values():
+            if worker.alive:
+                await self.send(worker, Shutdown())
+        await asyncio.to_thread(self.launcher.stop_all, timeout_s)
+        for worker in self.workers.values():
+            worker.socket.close(linger=0)
+        if self.address:
+            self._events.close(linger=0)
+        self._ctx.term()
+
+    # ---- who is there ----------------------------------------------------------------------
+
+    def routable(self, role: WorkerRole) -> list[WorkerHandle]:
+        """Live, non-draining workers that can take `role`'s part (a `both` worker decodes too)."""
+        return [w for w in self.workers.values()
+                if w.routable and (w.role == role or (role == WorkerRole.DECODE and w.role == WorkerRole.BOTH))]
+
+    @property
+    def can_decode(self) -> bool:
+        return any(w.alive and w.can_decode for w in self.workers.values())
+
+    def view(self) -> list[dict[str, Any]]:
+        return [w.view() for w in self.workers.values()]
+
+    def add_stats_listener(self, callback: StatsListener) -> None:
+        self._stats_listeners.append(callback)
+
+    async def check_integrity(self, timeout_s: float = 10.0) -> dict[str, IntegrityReport]:
+        """Every live worker's KV integrity report (for tests and operators)."""
+        loop = asyncio.get_running_loop()
+        live = [w for w in self.workers.values() if w.alive]
+        futures = {w.name: self._integrity.setdefault(w.name, loop.create_future()) for w in live}
+        for worker in live:
+            await self.send(worker, CheckIntegrity())
+        try:
+            done = await asyncio.wait_for(asyncio.gather(*futures.values()), timeout_s)
+        finally:
+            for name in futures:
+                self._integrity.pop(name, None)
+        return dict(zip(futures, done))
+
+    async def send(self, worker: WorkerHandle, msg: msgspec.Struct) -> None:
+        await worker.socket.send(self._codec_out.encode(msg), copy=False)
+
+    # ---- worker events ---------------------------------------------------------------------
+
+    async def _event_loop(self) -> None:
+        while True:
+            frame = await self._events.recv(copy=False)
+            msg = self._codec_in.try_decode(frame.buffer, "router")
+            if msg is None:
+                continue
+            try:
+                await self._on_event(msg)
+            except Exception:  # one bad event must not stop routing for everyone
+                logger.exception("router: failed to handle %s", type(msg).__name__)
+
+    async def _on_event(self, msg: FromWorker) -> None:
+        if isinstance(msg, WorkerHello):
+            self._register(msg)
+            return
+        worker = self.workers.get(msg.name)
+        if worker is None or not worker.alive:
+            return  # a worker declared dead: whatever it still says is ignored
+        worker.last_seen = time.monotonic()
+        if isinstance(msg, (Heartbeat, WorkerOutputs)):
+            worker.load = msg.load
+            self._publish_stats()
+        if isinstance(msg, Heartbeat):
+            return
+        if isinstance(msg, IntegrityReport):
+            future = self._integrity.get(msg.name)
+            if future is not None and not future.done():
+                future.set_result(msg)
+        elif isinstance(msg, Drained):
+            await self._retire(worker)
+        elif self.listener is not None:
+            await self.listener.on_worker_message(worker, msg)
+
+    def _register(self, msg: WorkerHello) -> None:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(msg.address)
+        self.workers[msg.name] = WorkerHandle(name=msg.name, role=msg.role, index=msg.index, pid=msg.pid,
+                                              address=msg.address, info=msg.info, layout=msg.layout,
+                                              receiver=msg.receiver, load=msg.load, socket=socket)
+        if self.info is None:
+            self.info = msg.info
+        logger.info("%s joined (pid %d, %s)", msg.name, msg.pid, msg.address)
+        self._publish_stats()
+        self._hello.set()
+
+    async def _retire(self, worker: WorkerHandle) -> None:
+        await self.send(worker, Shutdown())
+        worker.alive = False
+        await asyncio.to_thread(self.launcher.stop, worker.name)
+        self._forget(worker)
+        logger.info("%s drained and stopped", worker.name)
+        if self.listener is not None:
+            self.listener.on_worker_retired(worker)
+
+    def _forget(self, worker: WorkerHandle) -> None:
+        worker.socket.close(linger=0)
+        del self.workers[worker.name]
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        loads = [w.load.stats for w in self.workers.values() if w.alive and w.can_decode]
+        if not loads:
+            return
+        self.stats = EngineStats.total(loads)
+        for callback in self._stats_listeners:
+            callback(self.stats)
+
+    # ---- failure detection -----------------------------------------------------------------
+
+    async def _watchdog(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.2, self.config.heartbeat_s))
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if not worker.alive:
+                    continue
+                if not self.launcher.is_alive(worker.name):
+                    await self._declare_dead(worker, "its process exited")
+                elif now - worker.last_seen > self.config.dead_after_s:
+                    await self._declare_dead(worker, f"no heartbeat for {now - worker.last_seen:.1f} s")
+
+    async def _declare_dead(self, worker: WorkerHandle, reason: str) -> None:
+        logger.error("%s is gone (%s); re-dispatching its %d request(s)", worker.name, reason, len(worker.attempts))
+        worker.alive = False
+        # NOTE: fence it: a worker that was only stalled must not come back and act on old requests.
+        await asyncio.to_thread(self.launcher.kill, worker.name)
+        self._forget(worker)
+        if self.listener is not None:
+            await self.listener.on_worker_lost(worker, reason)

@@ -1,0 +1,36 @@
+"""The processes that never run the model load no torch: the HTTP frontend, the router, the
+deployment code, the scheduler and the content address import with torch made unimportable.
+(Import-linter, run by the test command, keeps the layers in order; this checks the one thing it
+cannot: that no third-party package in the chain pulls torch in.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+TORCH_FREE = [
+    "kvbaton.server.api",
+    "kvbaton.server.launch",
+    "kvbaton.server.engine_client",
+    "kvbaton.disagg.router",
+    "kvbaton.disagg.worker_pool",
+    "kvbaton.cluster.deploy",
+    "kvbaton.cluster.local",
+    "kvbaton.engine.scheduler",
+    "kvbaton.engine.info",
+    "kvbaton.engine.transfers",
+    "kvbaton.kv.hashing",
+    "kvbaton.kv.connectors.base",
+    "kvbaton.cli",
+]
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_imports_without_torch(module: str) -> None:
+    code = (f"import sys\nsys.modules['torch'] = None\nimport {module}\n"
+            "loaded = {name.split('.')[0] for name, mod in sys.modules.items() if mod is not None}\n"
+            "assert 'torch' not in loaded, sorted(loaded)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
