@@ -81,6 +81,9 @@ class WorkerLoad(msgspec.Struct):
     stats: EngineStats
     num_receiving: int  # decode role: transfers being received
     num_sending: int  # prefill role: transfers being sent
+    # NOTE: heartbeats (their own thread and socket) and outputs can arrive out of order: the router
+    # keeps the load with the highest `seq`, so a late heartbeat never rolls its view back.
+    seq: int = 0
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):

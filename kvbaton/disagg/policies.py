@@ -12,23 +12,29 @@ import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvbaton.kv.hashing import chained_block_hashes
 
 
 class Candidate(Protocol):
-    name: str
+    """All a policy may read of a worker."""
+
+    @property
+    def name(self) -> str: ...
 
     @property
     def load_score(self) -> float: ...
+
+
+C = TypeVar("C", bound=Candidate)
 
 
 class Policy(ABC):
     """Pick one of `candidates` (never empty) for a prompt; `note_routed` learns from the choice."""
 
     @abstractmethod
-    def pick(self, candidates: list, prompt_token_ids: list[int]):
+    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
         ...
 
     def note_routed(self, worker_name: str, prompt_token_ids: list[int]) -> None:  # noqa: B027
@@ -42,7 +48,7 @@ class RoundRobin(Policy):
     def __init__(self, block_size: int = 16) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: list, prompt_token_ids: list[int]):
+    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
         return candidates[next(self._counter) % len(candidates)]
 
 
@@ -52,7 +58,7 @@ class LeastLoaded(Policy):
     def __init__(self, block_size: int = 16) -> None:
         pass
 
-    def pick(self, candidates: list, prompt_token_ids: list[int]):
+    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
         return min(candidates, key=lambda w: w.load_score)
 
 
@@ -98,7 +104,7 @@ class PrefixAware(Policy):
     def __init__(self, block_size: int = 16) -> None:
         self.index = PrefixIndex(block_size)
 
-    def pick(self, candidates: list, prompt_token_ids: list[int]):
+    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
         hashes = self.index.hashes(prompt_token_ids)
         return max(candidates, key=lambda w: (self.index.matched_blocks(w.name, hashes), -w.load_score))
 

@@ -81,6 +81,7 @@ class Worker:
         self.running = True
         self.draining = False
         self._parent_pid = os.getppid() if exit_with_parent else None
+        self._load_seq = 0
         self.last_load = self._load()  # what the heartbeat thread reports; replaced, never mutated
         self._heartbeat = HeartbeatThread(self.name, spec.router, spec.heartbeat_s, secret, ctx, lambda: self.last_load)
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -167,7 +168,8 @@ class Worker:
         return not (self.core.has_unfinished_requests() or self.core.transfers_in_flight)
 
     def _load(self) -> WorkerLoad:
-        self.last_load = WorkerLoad(self.core.stats(), self.core.num_receiving, self.core.num_sending)
+        self._load_seq += 1
+        self.last_load = WorkerLoad(self.core.stats(), self.core.num_receiving, self.core.num_sending, self._load_seq)
         return self.last_load
 
     def send(self, msg: msgspec.Struct) -> None:

@@ -243,7 +243,7 @@ class WorkerPool:
         if worker is None or not worker.alive:
             return  # a worker declared dead: whatever it still says is ignored
         worker.last_seen = time.monotonic()
-        if isinstance(msg, (Heartbeat, WorkerOutputs)):
+        if isinstance(msg, (Heartbeat, WorkerOutputs)) and msg.load.seq >= worker.load.seq:
             worker.load = msg.load
             self._publish_stats()
         if isinstance(msg, Heartbeat):

@@ -23,6 +23,10 @@ class PrefixCacheStats:
     queried_tokens: int
     hit_tokens: int
 
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import itertools
 import logging
 import time
 import uuid
@@ -63,7 +62,6 @@ class OpenAIServer:
         self.metrics = ServerMetrics(settings.served_model_name)
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
         client.add_stats_listener(self.metrics.observe_stats)
-        self._ids = itertools.count()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
