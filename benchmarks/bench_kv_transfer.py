@@ -86,7 +86,8 @@ def run_sender(args: argparse.Namespace) -> None:
 
 def _send_one(sender, layout: KVLayout, cmd: dict) -> dict:
     t0 = time.perf_counter()
-    sender.begin(TransferSpec(cmd["id"], cmd["src"], cmd["dst"], cmd["address"], layout, deadline_s=60.0))
+    sender.begin(TransferSpec(request_id=cmd["id"], src_block_ids=cmd["src"], dst_block_ids=cmd["dst"],
+                                 receiver=cmd["address"], layout=layout, deadline_s=60.0))
     in_save = 0.0
     for layer in range(LAYERS):
         s = time.perf_counter()

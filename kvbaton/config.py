@@ -22,7 +22,7 @@ class ConfigError(ValueError):
     """A configuration or checkpoint that kvbaton cannot serve; the message says why."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RopeScaling:
     """Llama-3 style frequency-dependent RoPE scaling (`rope_type == "llama3"`)."""
 
@@ -32,7 +32,7 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer, as read from an HF `config.json`."""
 
@@ -156,7 +156,7 @@ class SchedulerConfig:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Everything one engine needs; `max_model_len` is resolved against the model."""
 

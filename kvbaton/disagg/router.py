@@ -203,8 +203,9 @@ class Router:
         flight.prefill, flight.phase = prefill.name, Phase.PREFILLING
         prefill.attempts.add(flight.attempt_id)
         assert decode.receiver is not None, "a decode worker always has a KV receiver"
-        remote = RemoteDecode(decode.receiver, msg.dst_block_ids, msg.num_cached_tokens // decode.info.block_size,
-                              decode.layout, self.config.transfer_deadline_s)
+        remote = RemoteDecode(receiver=decode.receiver, dst_block_ids=msg.dst_block_ids,
+                              skip_blocks=msg.num_cached_tokens // decode.info.block_size, layout=decode.layout,
+                              deadline_s=self.config.transfer_deadline_s)
         await self.pool.send(prefill, AddRequest(request_id=flight.attempt_id, prompt_token_ids=flight.prompt_token_ids,
                                                  params=flight.params, priority=flight.priority, remote_decode=remote))
 

@@ -17,7 +17,7 @@ from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _RequestState:
     request_id: str
     prompt: str | None
@@ -45,7 +45,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, arrival_time: float) -> None:
         decoder = self.tokenizer.decode_stream(params.skip_special_tokens)
-        state = _RequestState(request_id, prompt, prompt_token_ids, params, decoder, arrival_time)
+        state = _RequestState(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
+                              decoder=decoder, arrival_time=arrival_time)
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self._states[request_id] = state
@@ -111,8 +112,10 @@ class OutputProcessor:
             finish_reason=finish_reason, stop_reason=stop_reason,
             delta_text=delta_text, delta_token_ids=delta_tokens,
         )
-        metrics = RequestMetrics(state.arrival_time, state.first_token_time, time.monotonic() if finished else None,
-                                 state.num_cached_tokens, state.first_scheduled_time)
+        metrics = RequestMetrics(arrival_time=state.arrival_time, first_token_time=state.first_token_time,
+                                 finished_time=time.monotonic() if finished else None,
+                                 num_cached_tokens=state.num_cached_tokens,
+                                 first_scheduled_time=state.first_scheduled_time)
         if finished:
             del self._states[state.request_id]
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, metrics)

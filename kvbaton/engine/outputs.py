@@ -21,7 +21,7 @@ class FinishReason(str, enum.Enum):
     TRANSFER = "transfer"  # a prefill worker's request: its KV went to a decode worker, which goes on
 
 
-class RemoteDecode(msgspec.Struct, frozen=True):
+class RemoteDecode(msgspec.Struct, frozen=True, kw_only=True):
     """On a prefill worker: where this request's KV goes once its prompt is computed.
 
     The decode worker already holds the first `skip_blocks` blocks of the prompt (its own
@@ -34,7 +34,7 @@ class RemoteDecode(msgspec.Struct, frozen=True):
     deadline_s: float = 30.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduledRequest:
     """One request's share of a step: compute `token_ids` at positions from `start_position`."""
 

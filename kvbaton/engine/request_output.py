@@ -25,7 +25,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RequestMetrics:
     arrival_time: float
     first_token_time: float | None

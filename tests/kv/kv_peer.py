@@ -81,7 +81,8 @@ def main() -> None:
     sender = make_sender(config, pools)
     src = [int(b) for b in args.src.split(",")]
     dst = [int(b) for b in args.dst.split(",")]
-    sender.begin(TransferSpec("x", src, dst, args.address, layout, deadline_s=20.0))
+    sender.begin(TransferSpec(request_id="x", src_block_ids=src, dst_block_ids=dst, receiver=args.address,
+                              layout=layout, deadline_s=20.0))
     emit("ready", segment=pools.shared.name if pools.shared else None)
     for layer in range(args.layers):
         sender.save_layer(layer, ["x"])

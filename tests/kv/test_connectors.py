@@ -58,7 +58,8 @@ class Pair:
 
     def spec(self, request_id: str, src: list[int], dst: list[int], deadline_s: float = 10.0,
              layout: KVLayout | None = None) -> TransferSpec:
-        return TransferSpec(request_id, src, dst, self.receiver.address, layout or self.receiver.layout, deadline_s)
+        return TransferSpec(request_id=request_id, src_block_ids=src, dst_block_ids=dst, receiver=self.receiver.address,
+                            layout=layout or self.receiver.layout, deadline_s=deadline_s)
 
 
 @pytest.fixture
@@ -220,7 +221,8 @@ def test_unreachable_receiver_fails_by_deadline(transport):
     layout = kv_layout(torch.bfloat16)
     sender = make_sender(ConnectorConfig(transport, SECRET), KVPools(layout, seeded_pools(0, torch.bfloat16)))
     try:
-        sender.begin(TransferSpec("a", [1, 2], [3, 4], f"tcp://127.0.0.1:{port}", layout, deadline_s=0.3))
+        sender.begin(TransferSpec(request_id="a", src_block_ids=[1, 2], dst_block_ids=[3, 4],
+                                  receiver=f"tcp://127.0.0.1:{port}", layout=layout, deadline_s=0.3))
         for layer in range(LAYERS):
             sender.save_layer(layer, ["a"])
         _, slog = pump(sender, None, lambda r, s: "a" in s.failed)

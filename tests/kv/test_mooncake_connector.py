@@ -60,7 +60,8 @@ def blocks(seed: int, n: int = 6) -> tuple[list[int], list[int]]:
 
 def spec(request_id: str, src: list[int], dst: list[int], receiver: str, layout: KVLayout,
          deadline_s: float = 10.0) -> TransferSpec:
-    return TransferSpec(request_id, src, dst, receiver, layout, deadline_s)
+    return TransferSpec(request_id=request_id, src_block_ids=src, dst_block_ids=dst, receiver=receiver,
+                        layout=layout, deadline_s=deadline_s)
 
 
 def send_all(sender, request_id: str, src_ids, dst_ids, receiver_address: str, deadline_s: float = 10.0) -> None:

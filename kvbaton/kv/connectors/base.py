@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from kvbaton.kv.pools import KVPools
 
 
-class TransferSpec(msgspec.Struct, frozen=True):
+class TransferSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Everything the sender needs for one request; travels router -> prefill worker."""
 
     request_id: str
@@ -62,6 +62,7 @@ TRANSPORTS = ("shm", "tcp", "redis", "mooncake")  # each a package of this one, 
 class ConnectorConfig:
     transport: str  # a name in kvbaton.kv.connectors.TRANSPORTS
     secret: bytes  # cluster secret, for SignedCodec
+    _: KW_ONLY
     host: str = "127.0.0.1"  # address a receiver binds to (tcp, mooncake)
     redis_url: str | None = None  # redis://host:port/db (redis transport)
     redis_ttl_s: int = 60  # keys expire so nothing outlives its use
