@@ -53,3 +53,28 @@ def test_replica_killed_mid_stream_loses_nothing(tiny_llama):
     assert killed
     assert alive == ["kvbaton-both-0"]
     assert outs == hf_greedy(tiny_llama, prompts, max_new)
+
+
+def test_stop_string_ends_the_request_on_the_worker_and_leaves_nothing_behind(tiny_llama):
+    """The router sees the stop string in the detokenized stream, finishes the client's request and
+    aborts it on the worker; outputs the worker produced meanwhile are dropped (not processed for a
+    request whose state is gone), and the router keeps serving."""
+    from kvbaton.engine.sampling_params import SamplingParams
+    from kvbaton.engine.tokenizer import Tokenizer
+
+    prompt = tiny_prompts(5, [9])[0]
+    reference = hf_greedy(tiny_llama, [prompt], 40)[0]
+    stop = Tokenizer(tiny_llama).decode(reference[3:4]).strip()  # the 4th generated word
+
+    async def scenario():
+        async with router_over(tiny_llama, prefill=0, decode=1) as router:
+            params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+            outs = [out async for out in router.generate("stopped", None, prompt, params)]
+            after = await collect(router, "after", prompt, 8)
+            return outs[-1], after, len(router.outputs._states), router.num_in_flight
+
+    last, after, states, in_flight = run(scenario())
+    completion = last.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop and stop not in completion.text
+    assert len(completion.token_ids) < 40
+    assert after == reference[:8] and states == 0 and in_flight == 0
