@@ -18,6 +18,8 @@ from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.models.registry import DEFAULT_MODEL
 
 if TYPE_CHECKING:
+    import httpx
+
     from kvbaton.cluster.deploy import DeploymentSpec
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -171,7 +173,7 @@ def cmd_workers(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workers_request(args: argparse.Namespace, headers: dict):
+def _workers_request(args: argparse.Namespace, headers: dict[str, str]) -> httpx.Response:
     import httpx
 
     if args.action == "list":

@@ -12,9 +12,9 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvbaton.config import ConfigError
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import InvalidRequestError
+from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
 from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.metrics import ServerMetrics
@@ -49,7 +49,8 @@ class ApiError(Exception):
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
 
 
-def _error(status: int, message: str, err_type: str, param: str | None = None, headers=None) -> JSONResponse:
+def _error(status: int, message: str, err_type: str, param: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
 
 
@@ -82,11 +83,16 @@ class OpenAIServer:
         text = self.client.tokenizer.apply_chat_template(req.plain_messages())
         return text, self.client.tokenizer.encode(text)
 
-    async def handle(self, kind: str, req, raw: Request):
+    async def handle(self, req: CompletionRequest | ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        if kind == "completion" and req.echo:
-            raise ApiError(400, "echo is not supported", "BadRequestError", "echo")
-        prompt, token_ids = self.completion_prompt(req) if kind == "completion" else self.chat_prompt(req)
+        if isinstance(req, CompletionRequest):
+            if req.echo:
+                raise ApiError(400, "echo is not supported", "BadRequestError", "echo")
+            kind, top_n = "completion", req.logprobs
+            prompt, token_ids = self.completion_prompt(req)
+        else:
+            kind, top_n = "chat", req.top_logprobs
+            prompt, token_ids = self.chat_prompt(req)
         params = req.sampling_params()
         try:
             self.client.validate(token_ids, params)
@@ -98,16 +104,15 @@ class OpenAIServer:
             self.metrics.rejected.labels(self.settings.served_model_name).inc()
             return _error(503, refusal, "ServiceUnavailableError",
                           headers={"Retry-After": str(self.settings.retry_after_s)})
-        top_n = req.top_logprobs if kind == "chat" else req.logprobs
-        builder = ResponseBuilder("chat" if kind == "chat" else "completion", request_id,
-                                  self.settings.served_model_name, top_n)
+        builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n)
         outputs = self._outputs(request_id, prompt, token_ids, params, req.priority)
         if req.stream:
             return StreamingResponse(self._stream(outputs, builder, kind, req.include_usage),
                                      media_type="text/event-stream")
         return await self._whole(outputs, builder, raw)
 
-    async def _outputs(self, request_id, prompt, token_ids, params, priority) -> AsyncGenerator[RequestOutput, None]:
+    async def _outputs(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
+                       priority: int) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs with metrics and admission bookkeeping attached."""
         last = None
         try:
@@ -142,7 +147,8 @@ class OpenAIServer:
         finally:
             await outputs.aclose()
 
-    async def _whole(self, outputs: AsyncGenerator[RequestOutput, None], builder: ResponseBuilder, raw: Request):
+    async def _whole(self, outputs: AsyncGenerator[RequestOutput, None], builder: ResponseBuilder,
+                     raw: Request) -> Response:
         async def collect() -> RequestOutput | None:
             last = None
             async for out in outputs:
@@ -170,7 +176,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.server = server
 
     @app.middleware("http")
-    async def require_api_key(request: Request, call_next):
+    async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         key = settings.api_key
         if key and request.url.path.startswith(("/v1", "/admin")):
             given = request.headers.get("authorization", "")
@@ -179,7 +185,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError):
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
@@ -187,40 +193,40 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         return _error(400, message, "BadRequestError", param)
 
     @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, exc: ApiError):
+    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.err_type, exc.param)
 
     @app.exception_handler(InvalidRequestError)
     @app.exception_handler(ConfigError)  # e.g. chat on a model whose tokenizer has no chat template
-    async def on_invalid(_: Request, exc: Exception):
+    async def on_invalid(_: Request, exc: Exception) -> JSONResponse:
         return _error(400, str(exc), "BadRequestError")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest, raw: Request):
-        return await server.handle("completion", req, raw)
+    async def completions(req: CompletionRequest, raw: Request) -> Response:
+        return await server.handle(req, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        return await server.handle("chat", req, raw)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await server.handle(req, raw)
 
     @app.get("/v1/models")
-    async def models():
+    async def models() -> dict[str, Any]:
         card = {"id": settings.served_model_name, "object": "model", "created": int(time.time()),
                 "owned_by": "kvbaton", "max_model_len": client.info.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
-    async def health():
+    async def health() -> JSONResponse:
         if not client.is_alive:
             return _error(503, client.dead_reason or "no engine is running", "ServiceUnavailableError")
-        return {"status": "ok"}
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
-    async def stats():
+    async def stats() -> dict[str, Any]:
         s = client.stats
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
@@ -234,11 +240,11 @@ def add_worker_routes(app: FastAPI, client: EngineClient) -> None:
     """`GET /workers` (topology and load) and the elastic-pool admin endpoints."""
 
     @app.get("/workers")
-    async def workers():
+    async def workers() -> dict[str, Any]:
         return {"workers": client.workers_view()}
 
     @app.post("/admin/workers")
-    async def add_worker(body: dict):
+    async def add_worker(body: dict[str, Any]) -> dict[str, str]:
         role = body.get("role")
         if role not in ("prefill", "decode"):
             raise ApiError(400, "role must be 'prefill' or 'decode'", "BadRequestError", "role")
@@ -250,7 +256,7 @@ def add_worker_routes(app: FastAPI, client: EngineClient) -> None:
         return {"added": name}
 
     @app.post("/admin/workers/{name}/drain")
-    async def drain_worker(name: str):
+    async def drain_worker(name: str) -> dict[str, str]:
         try:
             await client.drain_worker(name)
         except KeyError:

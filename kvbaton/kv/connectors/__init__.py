@@ -6,6 +6,7 @@ transport's dependencies are never loaded. Importing this package needs no torch
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from kvbaton.kv.connectors.base import TRANSPORTS, ConnectorConfig, KVReceiver, KVSender, PollResult, TransferSpec
@@ -13,7 +14,7 @@ from kvbaton.kv.connectors.base import TRANSPORTS, ConnectorConfig, KVReceiver, 
 if TYPE_CHECKING:
     from kvbaton.kv.pools import KVPools, PoolAllocator
 
-def _role(transport: str, role: str):
+def _role(transport: str, role: str) -> ModuleType:
     """`kvbaton.kv.connectors.<transport>.<role>`, imported now (only the role asked for)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown KV transport {transport!r}; choose one of {', '.join(TRANSPORTS)}")
