@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvbaton.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.models.registry import DEFAULT_MODEL
 
@@ -200,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, InvalidRequestError, FileNotFoundError, OSError) as exc:
         print(f"kvbaton: error: {exc}", file=sys.stderr)
         return 2
+    except EngineDeadError as exc:  # e.g. a worker that could not load the model (its log says why)
+        print(f"kvbaton: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

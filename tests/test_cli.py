@@ -39,3 +39,12 @@ def test_missing_weights_dir_is_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     result = _kvbaton("generate", "--model", str(tmp_path), timeout=120)
     assert result.returncode == 2 and "kvbaton: error:" in result.stderr
+
+
+def test_serve_whose_worker_cannot_start_ends_with_one_line(tmp_path, tiny_models):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # a checkpoint without weights
+        (tmp_path / name).write_bytes((tiny_models["llama"] / name).read_bytes())
+    result = _kvbaton("serve", "--model", str(tmp_path), "--port", "0", timeout=180)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 1 and last == "kvbaton: error: worker(s) kvbaton-both-0 exited during start-up"
+    assert "no *.safetensors weights" in result.stderr  # the worker's own message, above
