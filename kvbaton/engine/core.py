@@ -115,7 +115,9 @@ class EngineCore:
         """End requests from outside a step (client gone, stop string seen); frees their blocks at
         once, hand-offs in flight included."""
         self.handoff.abort(request_ids)
-        self.scheduler.finish_requests(request_ids, RequestStatus.finished_by(reason))
+        # NOTE: only a stop string (STOP) or an abort ends a request from outside; anything else aborts
+        status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP else RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -27,11 +27,6 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TRANSFERRED)
 
-    @classmethod
-    def finished_by(cls, reason: FinishReason) -> RequestStatus:
-        """The finished status for `reason` (their values are the same words)."""
-        return cls(reason.value)
-
 
 @dataclass
 class Request:
