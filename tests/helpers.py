@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -77,3 +78,26 @@ def hf_logits(model_dir: Path | str, ids: list[int]) -> torch.Tensor:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
+
+
+# ---- processes ---------------------------------------------------------------------------
+
+
+def child_pids(pid: int) -> list[int]:
+    """Children of every thread of `pid` (a worker may be started from a thread other than the main one)."""
+    pids: list[int] = []
+    for children in sorted(Path(f"/proc/{pid}/task").glob("*/children")):
+        try:
+            pids += [int(p) for p in children.read_text().split()]
+        except FileNotFoundError:  # the thread exited meanwhile
+            pass
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+    return state != "Z"

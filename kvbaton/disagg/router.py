@@ -187,7 +187,7 @@ class Router:
                                                 priority=flight.priority))
 
     async def _on_receive_ready(self, flight: Flight, msg: ReceiveReady) -> None:
-        decode = self.pool.workers.get(flight.decode or "")
+        decode = self.pool.get(flight.decode)
         if decode is None:
             return  # it died meanwhile; its death re-dispatches this flight
         uncached = len(flight.prompt_token_ids) - msg.num_cached_tokens
@@ -213,12 +213,12 @@ class Router:
         """The transfer path failed: the decode worker prefills this attempt itself."""
         logger.warning("request %s: %s; prefilling on the decode worker instead", flight.request_id, reason)
         self.counters["fallbacks"] += 1
-        prefill = self.pool.workers.get(flight.prefill or "")
+        prefill = self.pool.get(flight.prefill)
         if prefill is not None:
             prefill.attempts.discard(flight.attempt_id)
             if prefill.alive:
                 await self.pool.send(prefill, AbortRequests([flight.attempt_id]))
-        decode = self.pool.workers.get(flight.decode or "")
+        decode = self.pool.get(flight.decode)
         if decode is not None and decode.alive:
             await self.pool.send(decode, CancelReceive([flight.attempt_id]))
         await self._retry(flight)
@@ -230,20 +230,16 @@ class Router:
         await self._dispatch(flight)
 
     async def _stop_attempt(self, flight: Flight, reason: FinishReason) -> None:
-        for name in (flight.prefill, flight.decode):
-            worker = self.pool.workers.get(name or "")
-            if worker is None:
-                continue
-            worker.attempts.discard(flight.attempt_id)
+        for worker in self._release(flight):
             if worker.alive:
                 await self.pool.send(worker, AbortRequests([flight.attempt_id], reason=reason))
 
-    def _release(self, flight: Flight) -> None:
-        """The current attempt no longer counts towards its workers' load."""
-        for name in (flight.prefill, flight.decode):
-            worker = self.pool.workers.get(name or "")
-            if worker is not None:
-                worker.attempts.discard(flight.attempt_id)
+    def _release(self, flight: Flight) -> list[WorkerHandle]:
+        """The current attempt no longer counts towards its workers' load; returns those still in the pool."""
+        workers = [w for w in map(self.pool.get, (flight.prefill, flight.decode)) if w is not None]
+        for worker in workers:
+            worker.attempts.discard(flight.attempt_id)
+        return workers
 
     # ---- what the pool tells us ------------------------------------------------------------------
 
@@ -308,7 +304,7 @@ class Router:
         # NOTE: to the client first: `flight.tokens` (what a re-dispatch continues from) and the
         # stream must never disagree, even if a send below meets a worker that just died.
         flight.queue.put_nowait(out)
-        decode = self.pool.workers.get(flight.decode or "")
+        decode = self.pool.get(flight.decode)
         if handed_off:
             worker.attempts.discard(flight.attempt_id)
             flight.phase = Phase.DECODING

@@ -53,7 +53,6 @@ from kvbaton.disagg.roles import Role, role_of
 from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
 from kvbaton.engine.core import EngineCore
 from kvbaton.engine.outputs import TransferFailure
-from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
 from kvbaton.models.registry import resolve_model
@@ -127,8 +126,7 @@ class Worker:
     # ---- commands ----------------------------------------------------------------------------
 
     def _add(self, msg: AddRequest) -> None:
-        req = Request(msg.request_id, msg.prompt_token_ids, msg.params, eos_token_ids=self.core.info.eos_token_ids,
-                      priority=msg.priority, remote_decode=msg.remote_decode)
+        req = self.core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.remote_decode)
         try:
             self.core.add_request(req)
         except (InvalidRequestError, ValueError) as exc:

@@ -195,6 +195,10 @@ class WorkerPool:
         return [w for w in self.workers.values()
                 if w.routable and (w.role == role or (role == WorkerRole.DECODE and w.role == WorkerRole.BOTH))]
 
+    def get(self, name: str | None) -> WorkerHandle | None:
+        """The worker of that name if it is in the pool (None for None: a flight's unset slot)."""
+        return self.workers.get(name) if name is not None else None
+
     @property
     def can_decode(self) -> bool:
         return any(w.alive and w.can_decode for w in self.workers.values())

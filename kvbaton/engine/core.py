@@ -18,8 +18,9 @@ from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
-from kvbaton.engine.outputs import FinishReason, StepResult, TransferFailure
+from kvbaton.engine.outputs import FinishReason, RemoteDecode, StepResult, TransferFailure
 from kvbaton.engine.request import Request, RequestStatus
+from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
 from kvbaton.engine.transfers import KVHandoff, Reservation
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
@@ -103,6 +104,12 @@ class EngineCore:
         return KVHandoff(self.scheduler, sender, receiver), runner
 
     # ---- requests ------------------------------------------------------------------------------
+
+    def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
+                    remote_decode: RemoteDecode | None = None) -> Request:
+        """A request for this engine (its EOS ids), as a worker receives one from the router."""
+        return Request(request_id, prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids, priority=priority,
+                       remote_decode=remote_decode)
 
     def validate(self, req: Request) -> None:
         validate_request(self.info, req.prompt_token_ids, req.sampling_params)

@@ -7,6 +7,7 @@ is known not to be, so a stream never shows a stop string it later has to take b
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
@@ -62,7 +63,7 @@ class OutputProcessor:
         # NOTE: users see plain strings, as vLLM's `finish_reason` (str() of a str-enum is its name)
         finish_reason = None if output.finish_reason is None else output.finish_reason.value
         stop_reason = output.stop_reason
-        entries: list[TokenLogprobs | None] = [*output.logprobs] or [None] * len(output.new_token_ids)
+        entries: Sequence[TokenLogprobs | None] = output.logprobs or [None] * len(output.new_token_ids)
         for token, logprobs in zip(output.new_token_ids, entries):
             state.token_ids.append(token)
             self._append_logprobs(state, logprobs)

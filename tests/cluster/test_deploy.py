@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
+from helpers import child_pids, pid_alive
 
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import EngineConfig
@@ -28,19 +28,13 @@ def test_specs_that_cannot_be_served_are_refused(kwargs, message):
         DeploymentSpec(**kwargs)
 
 
-def _children() -> set[int]:
-    pids: set[int] = set()
-    for children in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        pids |= {int(p) for p in children.read_text().split()}
-    return {p for p in pids if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"}
-
-
 def test_failed_start_stops_everything_it_started(tiny_models, tmp_path):
     # the workers' model does not exist: they exit during start-up, after the redis-server is up
     engine = EngineConfig(model=str(tmp_path / "no-such-model"), dtype="float32", num_threads=1)
     spec = DeploymentSpec(num_prefill=1, num_decode=1, kv_transport="redis", log_dir=tmp_path)
-    before = _children()
+    before = set(child_pids(os.getpid()))
     with pytest.raises(EngineDeadError, match="exited during start-up"):
         asyncio.run(asyncio.wait_for(deploy(engine, Tokenizer(tiny_models["llama"]), spec), 120))
-    assert _children() - before == set(), "a worker or the redis-server outlived the failed deployment"
+    survivors = {p for p in child_pids(os.getpid()) if pid_alive(p)} - before
+    assert survivors == set(), "a worker or the redis-server outlived the failed deployment"
     assert "model not found" in (tmp_path / "kvbaton-prefill-0.log").read_text()

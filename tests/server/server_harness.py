@@ -9,35 +9,15 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
+from helpers import child_pids, pid_alive  # noqa: F401  (re-exported for the server tests)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def child_pids(pid: int) -> list[int]:
-    """Children of every thread of `pid` (a worker may be started from a thread other than the main one)."""
-    pids: list[int] = []
-    for children in sorted(Path(f"/proc/{pid}/task").glob("*/children")):
-        try:
-            pids += [int(p) for p in children.read_text().split()]
-        except FileNotFoundError:  # the thread exited meanwhile
-            pass
-    return pids
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
-    return state != "Z"
 
 
 @contextmanager

@@ -14,7 +14,6 @@ from kvbaton.disagg.messages import (
 )
 from kvbaton.disagg.roles.base import Handler, Role, WorkerContext
 from kvbaton.disagg.spec import WorkerRole
-from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import InvalidRequestError
 
 
@@ -31,11 +30,9 @@ class DecodeRole(Role):
 def prepare_receive(worker: WorkerContext, msg: PrepareReceive) -> None:
     """Reserve blocks for the prompt's KV; answer ReceiveReady, ReceiveRefused (no room now) or
     RequestFailed (a request this engine cannot run)."""
-    core = worker.core
-    req = Request(msg.request_id, msg.prompt_token_ids, msg.params, eos_token_ids=core.info.eos_token_ids,
-                  priority=msg.priority)
+    req = worker.core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
     try:
-        reserved = core.reserve_for_transfer(req, msg.deadline_s)
+        reserved = worker.core.reserve_for_transfer(req, msg.deadline_s)
     except (InvalidRequestError, ValueError) as exc:
         worker.send(RequestFailed(worker.name, msg.request_id, str(exc)))
         return
