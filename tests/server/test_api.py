@@ -119,7 +119,11 @@ def test_client_disconnect_mid_stream_frees_blocks(default_server):
     with httpx.stream("POST", f"{default_server}/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                break  # streaming has begun: check at once, before ~1000 tokens could finish it
+                break  # streaming has begun; 2000 tokens leave tens of seconds before it could finish
+        # /stats is the workers' last heartbeat, so it may lag the first token by an interval.
+        deadline = time.monotonic() + 10.0
+        while _stats(default_server)["num_running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _stats(default_server)["num_running"] == 1
     stats = _wait_idle(default_server)
     assert stats["num_in_flight"] == 0
