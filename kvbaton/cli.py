@@ -72,20 +72,39 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1/* (default: $KVBATON_API_KEY)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="admission control: refuse with 503 beyond this many waiting requests")
+    serve.add_argument("--admin-api-key", default=os.environ.get("KVBATON_ADMIN_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' on /admin/* and /workers (default: "
+                            "$KVBATON_ADMIN_API_KEY); without one they are open on loopback, disabled elsewhere")
+    serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                       help="refuse request bodies larger than this with 413 (default: 4 MiB)")
+    serve.add_argument("--max-priority-range", type=int, default=10**6,
+                       help="clients may set a priority in [-N, N] (default 1000000; 0: no client priorities)")
+    serve.add_argument("--max-workers", type=int, default=16,
+                       help="the most workers the pool may have; POST /admin/workers refuses beyond it")
     pd = serve.add_argument_group("disaggregation (prefill/decode worker pools behind a router)")
     pd.add_argument("--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill themselves)")
     pd.add_argument("--decode", type=int, default=0,
                     help="decode workers (with --prefill 0: colocated replicas; 0 and 0: one colocated worker)")
     pd.add_argument("--kv-transport", default="shm", choices=["shm", "tcp", "redis", "mooncake"])
+    pd.add_argument("--allow-insecure-kv-transport", action="store_true",
+                    help="let --kv-transport mooncake listen off loopback: its data plane is unauthenticated "
+                         "(any host that reaches it can read or write the KV pools); private networks only")
     pd.add_argument("--redis-url", default=None, help="for --kv-transport redis (default: start a local redis-server)")
     pd.add_argument("--routing", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_aware"])
     pd.add_argument("--local-prefill-threshold", type=int, default=64,
                     help="prompts with fewer uncached tokens are prefilled on the decode worker")
     pd.add_argument("--transfer-timeout", type=float, default=30.0,
                     help="seconds before a KV transfer counts as failed")
+    serve.add_argument("--request-timeout", type=float, default=600.0,
+                       help="abort (with an error) a request that produced no output for this many seconds; 0: never")
     pd.add_argument("--backend", default="local", choices=["local", "ray"],
                     help="run workers as local processes or as Ray actors")
     pd.add_argument("--address", default=None, help="--backend ray: join this Ray cluster (default: start one)")
+    pd.add_argument("--max-worker-restarts", type=int, default=5,
+                    help="a dead worker is replaced at most this often per 10 minutes, then its slot stays down "
+                         "(0: never replace)")
+    pd.add_argument("--worker-dead-after", type=float, default=5.0,
+                    help="seconds without a heartbeat before a worker is declared dead, fenced and replaced")
     from kvbaton.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -93,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument("action", choices=["list", "add", "drain"])
     workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
     workers.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
-    workers.add_argument("--api-key", default=os.environ.get("KVBATON_API_KEY"))
+    admin_key = os.environ.get("KVBATON_ADMIN_API_KEY", os.environ.get("KVBATON_API_KEY"))
+    workers.add_argument("--api-key", default=admin_key,
+                         help="the server's admin key (default: $KVBATON_ADMIN_API_KEY, else $KVBATON_API_KEY)")
     model = sub.add_parser("model", help="manage models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     model_sub.add_parser("pull", help=f"fetch and convert the default model ({DEFAULT_MODEL})")
@@ -128,20 +149,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
     from kvbaton.cluster.deploy import Backend, DeploymentSpec
     from kvbaton.disagg.router import RouterConfig
+    from kvbaton.disagg.supervision import RestartPolicy
+    from kvbaton.disagg.worker_pool import PoolConfig
 
     router = RouterConfig(prefill_policy=args.routing, decode_policy=args.routing,
                           local_prefill_threshold=args.local_prefill_threshold,
-                          transfer_deadline_s=args.transfer_timeout)
+                          transfer_deadline_s=args.transfer_timeout, request_timeout_s=args.request_timeout)
     return DeploymentSpec(num_prefill=args.prefill, num_decode=max(args.decode, 1), kv_transport=args.kv_transport,
+                          allow_insecure_kv_transport=args.allow_insecure_kv_transport,
                           redis_url=args.redis_url, backend=Backend(args.backend), ray_address=args.address,
-                          router=router)
+                          router=router, pool=PoolConfig(dead_after_s=args.worker_dead_after,
+                                                         restart=RestartPolicy(max_restarts=args.max_worker_restarts)))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvbaton.server.launch import ServeOptions, serve
 
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                           api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                           api_key=args.api_key, admin_api_key=args.admin_api_key,
+                           max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
+                           max_priority_range=args.max_priority_range, max_workers=args.max_workers,
                            deployment=deployment_from_args(args))
     return serve(engine_config_from_args(args), options)
 

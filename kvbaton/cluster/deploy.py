@@ -36,6 +36,7 @@ class DeploymentSpec:
     num_decode: int = 1
     kv_transport: str = "shm"  # see kvbaton.kv.connectors.TRANSPORTS
     redis_url: str | None = None  # redis transport: None starts a private redis-server
+    allow_insecure_kv_transport: bool = False  # mooncake off loopback (its data plane is unauthenticated)
     backend: Backend = Backend.LOCAL
     ray_address: str | None = None  # Ray backend: join this cluster (None: start a private head)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -104,7 +105,8 @@ async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpe
         cleanups.append(launcher.close)
         host = launcher.start()  # workers on other nodes must reach the router there
         # NOTE: the KV receiver binds loopback unless told otherwise; a Ray actor rebinds it to its node
-        connector = ConnectorSpec(transport=spec.kv_transport, redis_url=redis_url)
+        connector = ConnectorSpec(transport=spec.kv_transport, redis_url=redis_url,
+                                  allow_insecure_transport=spec.allow_insecure_kv_transport)
         pool = WorkerPool(engine, launcher, secret, spec.pool, connector, host=host)
         router = Router(pool, tokenizer, spec.router)
         await router.start(spec.num_prefill, spec.num_decode)

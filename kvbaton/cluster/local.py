@@ -40,6 +40,8 @@ class LocalLauncher:
         return LOOPBACK
 
     def launch(self, spec: WorkerSpec) -> None:
+        if self.is_alive(spec.name):
+            raise ValueError(f"{spec.name} is running already")
         cmd = [sys.executable, "-m", "kvbaton.disagg.worker", "--exit-with-parent"]
         log = None
         if self.log_dir is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import time
 from dataclasses import dataclass, field
 
 from kvbaton.engine.sampling_params import SamplingParams
@@ -36,6 +37,8 @@ class Flight:
     decode: str | None = None
     num_cached_tokens: int | None = None  # from the first attempt; what `usage` reports
     finished: bool = False  # the client has its last output: late outputs of the attempt are dropped
+    failures: int = 0  # attempts that ended in a step that raised on it, or with their worker's death
+    last_progress: float = field(default_factory=time.monotonic)  # arrival, then each output's arrival
 
     @property
     def attempt_id(self) -> str:

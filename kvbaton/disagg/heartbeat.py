@@ -9,16 +9,18 @@ from collections.abc import Callable
 
 import zmq
 
-from kvbaton.disagg.messages import FromWorker, Heartbeat, WorkerLoad
-from kvbaton.wire import SignedCodec
+from kvbaton.disagg.messages import Heartbeat, WorkerLoad
+from kvbaton.disagg.spec import ROUTER_NAME
+from kvbaton.wire import SequencedCodec
 
 
 class HeartbeatThread:
-    def __init__(self, name: str, router: str, interval_s: float, secret: bytes, ctx: zmq.Context,
+    def __init__(self, name: str, router: str, interval_s: float, codec: SequencedCodec, ctx: zmq.Context,
                  load: Callable[[], WorkerLoad]) -> None:
         self.name, self.router, self.interval_s, self._ctx, self._load = name, router, interval_s, ctx, load
-        # NOTE: its own codec and socket: neither encoders nor ZeroMQ sockets are shared across threads.
-        self._codec = SignedCodec(secret, FromWorker)
+        # NOTE: its own codec (a stream of the worker's session, numbered on its own: it travels its own
+        # connection) and socket: neither encoders nor ZeroMQ sockets are shared across threads.
+        self._codec = codec
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -36,6 +38,6 @@ class HeartbeatThread:
         sock.connect(self.router)
         try:
             while not self._stop.wait(self.interval_s):
-                sock.send(self._codec.encode(Heartbeat(self.name, self._load())))
+                sock.send(self._codec.encode(Heartbeat(self.name, self._load()), ROUTER_NAME))
         finally:
             sock.close()

@@ -16,7 +16,9 @@ class Launcher(Protocol):
 
     Contract: `launch` returns once the worker is starting (not when it is ready: readiness is its
     hello to the router); every method but `launch` is safe to call for a name that is unknown or
-    already stopped (a no-op, or False/None); nothing a launcher started outlives `close()`."""
+    already stopped (a no-op, or False/None); nothing a launcher started outlives `close()`. A name
+    can be launched again once its worker was killed or stopped: the pool replaces a worker it
+    declared dead under the dead one's name (see `kvbaton.disagg.supervision`)."""
 
     backend: str  # "local" | "ray": for logs and GET /workers
 
@@ -26,7 +28,8 @@ class Launcher(Protocol):
         ...
 
     def launch(self, spec: WorkerSpec) -> None:
-        """Start one worker (raises if it cannot be placed; then nothing of it is kept)."""
+        """Start one worker (raises if it cannot be placed, or if a worker of that name still runs;
+        then nothing of it is kept)."""
         ...
 
     def is_alive(self, name: str) -> bool:

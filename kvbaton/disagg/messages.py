@@ -110,11 +110,13 @@ class WorkerOutputs(msgspec.Struct, tag="outputs"):
 
 
 class RequestFailed(msgspec.Struct, tag="failed"):
-    """The worker refused a request (invalid input): the client gets an error."""
+    """The worker refused a request (invalid input: the client gets a 400), or a step failed while
+    computing it (`in_step`: the router may try it once more elsewhere before giving up)."""
 
     name: str
     request_id: str
     message: str
+    in_step: bool = False
 
 
 class ReceiveReady(msgspec.Struct, tag="ready"):

@@ -43,7 +43,7 @@ from kvbaton.disagg.messages import (
 from kvbaton.disagg.policies import make_policy
 from kvbaton.disagg.spec import WorkerRole
 from kvbaton.disagg.worker_pool import StatsListener, WorkerHandle, WorkerPool
-from kvbaton.engine.errors import EngineDeadError
+from kvbaton.engine.errors import EngineDeadError, RequestFailedError, RequestTimeoutError
 from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.output_processor import OutputProcessor
 from kvbaton.engine.outputs import EngineCoreOutput, FinishReason, RemoteDecode
@@ -62,6 +62,13 @@ class RouterConfig:
     # Prompts with fewer uncached tokens than this are prefilled on the decode worker itself.
     local_prefill_threshold: int = 64
     transfer_deadline_s: float = 30.0
+    # An attempt that fails for what may be the request's own fault (a step raised on it, its worker died)
+    # is tried again elsewhere; after this many such failures the client gets an error instead: a request
+    # that crashes workers must not walk through the whole pool. Three, not two: in PD one request can
+    # meet two unrelated deaths (its prefill worker's, then its decode worker's) and should survive them.
+    max_failed_attempts: int = 3
+    # A request with no output for this long (queued, stalled) is aborted with an error; 0: no limit.
+    request_timeout_s: float = 600.0
 
 
 class Router:
@@ -76,14 +83,19 @@ class Router:
         self._decode_policy = make_policy(config.decode_policy, block_size)
         # How requests went: through a prefill worker, prefilled on the decode worker, or
         # re-dispatched after a failure (a transfer, or a worker, that did not make it).
-        self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0}
+        self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0}
+        self._deadlines: asyncio.Task | None = None
 
     # ---- lifecycle and pool administration ---------------------------------------------------
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
         await self.pool.start(num_prefill, num_decode)
+        if self.config.request_timeout_s > 0:
+            self._deadlines = asyncio.create_task(self._enforce_deadlines())
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._deadlines is not None:
+            self._deadlines.cancel()
         await self.pool.shutdown(timeout_s)
 
     async def add_worker(self, role: WorkerRole | str) -> str:
@@ -119,7 +131,9 @@ class Router:
 
     @property
     def is_alive(self) -> bool:
-        return self.pool.can_decode
+        """False while no worker can decode (one may be restarting) or the pool is down for good;
+        `dead_reason` then says why (the pool keeps it current, see `on_pool_health`)."""
+        return self.pool.down_reason is None
 
     @property
     def num_in_flight(self) -> int:
@@ -128,8 +142,8 @@ class Router:
     def add_stats_listener(self, callback: StatsListener) -> None:
         self.pool.add_stats_listener(callback)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(self.info, token_ids, params)
+    def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        validate_request(self.info, token_ids, params, priority)
 
     async def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
@@ -137,19 +151,26 @@ class Router:
         stops early (client gone, task cancelled)."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "no decode worker is running")
-        self.validate(token_ids, params)
+        self.validate(token_ids, params, priority)
         flight = Flight(request_id=request_id, prompt_token_ids=token_ids, params=params, priority=priority,
                         queue=asyncio.Queue())
         self.flights[request_id] = flight
         self.outputs.add_request(request_id, prompt, token_ids, params, time.monotonic())
         try:
-            await self._dispatch(flight)
+            try:
+                await self._dispatch(flight)
+            except Exception:
+                # e.g. a frame that cannot be encoded: nothing of this request may stay behind
+                await self.abort(request_id)
+                raise
             # NOTE: aclosing: if our consumer stops early, the inner stream must run its abort now.
             async with contextlib.aclosing(stream_outputs(flight.queue, lambda: self.abort(request_id))) as stream:
                 async for out in stream:
                     yield out
         finally:
             self.flights.pop(request_id, None)
+            self.outputs.abort(request_id)  # a no-op once finished; else its detokenizer state would stay
+            self._release(flight)
 
     async def abort(self, request_id: str) -> None:
         self.outputs.abort(request_id)
@@ -261,22 +282,55 @@ class Router:
         elif isinstance(msg, TransferFailed):
             if flight.phase != Phase.DECODING or worker.name == flight.decode:
                 await self._fall_back(flight, f"KV transfer failed on {worker.name}: {msg.reason}")
+        elif msg.in_step:
+            await self._charge_failure(flight, f"{worker.name}: {msg.message}")
         else:
+            # NOTE: the attempt's other worker may hold blocks for it (a decode reservation): free them too
+            await self._stop_attempt(flight, FinishReason.ABORT)
             self._fail(flight, InvalidRequestError(msg.message))
+
+    async def _charge_failure(self, flight: Flight, reason: str) -> None:
+        """The attempt failed in a way the request itself may cause: try once more elsewhere, up to
+        `max_failed_attempts`, then end it with an error."""
+        flight.failures += 1
+        if flight.failures < self.config.max_failed_attempts:
+            await self._fall_back(flight, reason)
+            return
+        logger.error("request %s failed %d times, giving up: %s", flight.request_id, flight.failures, reason)
+        await self._stop_attempt(flight, FinishReason.ABORT)
+        self._fail(flight, RequestFailedError(f"the request failed on {flight.failures} attempts; last: {reason}"))
+
+    async def _enforce_deadlines(self) -> None:
+        """Abort requests that made no progress for `request_timeout_s`: nothing hangs forever."""
+        timeout_s = self.config.request_timeout_s
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            now = time.monotonic()
+            for flight in [f for f in self.flights.values() if not f.finished and now - f.last_progress > timeout_s]:
+                try:
+                    self.counters["timeouts"] += 1
+                    logger.warning("request %s: no progress for %.0f s; aborting it", flight.request_id, timeout_s)
+                    await self._stop_attempt(flight, FinishReason.ABORT)
+                    self._fail(flight, RequestTimeoutError(
+                        f"the request made no progress for {timeout_s:.0f} s (--request-timeout) and was aborted"))
+                except Exception:  # one flight must not end the enforcement for every other
+                    logger.exception("request %s: could not enforce its deadline", flight.request_id)
 
     async def on_worker_lost(self, worker: WorkerHandle, reason: str) -> None:
         self.counters["workers_lost"] += 1
         self._forget_worker(worker)
-        if not self.is_alive:
-            # NOTE: the words the server's 500 carries when the only engine died
-            self.dead_reason = f"engine core exited: {worker.name} is gone ({reason}) and no worker can decode"
+        # NOTE: the pool has already told us (`on_pool_health`) if no worker can decode now: a flight
+        # re-dispatched below then fails with that reason (EngineDeadError, a 503).
         for flight in [f for f in self.flights.values() if f.attempt_id in worker.attempts]:
             if worker.name == flight.prefill and flight.phase == Phase.DECODING:
                 continue  # its part was done
-            await self._fall_back(flight, f"{worker.name} died")
+            await self._charge_failure(flight, f"{worker.name} died")
 
     def on_worker_retired(self, worker: WorkerHandle) -> None:
         self._forget_worker(worker)
+
+    def on_pool_health(self, reason: str | None) -> None:
+        self.dead_reason = reason
 
     def _forget_worker(self, worker: WorkerHandle) -> None:
         self._prefill_policy.forget_worker(worker.name)
@@ -299,6 +353,7 @@ class Router:
         client_output = replace(output, request_id=flight.request_id, num_cached_tokens=flight.num_cached_tokens,
                                 finish_reason=None if handed_off else output.finish_reason)
         flight.tokens.extend(output.new_token_ids)
+        flight.last_progress = time.monotonic()
         out, stop_string = self.outputs.process(client_output)
         flight.finished = out.finished
         # NOTE: to the client first: `flight.tokens` (what a re-dispatch continues from) and the
@@ -308,7 +363,11 @@ class Router:
         if handed_off:
             worker.attempts.discard(flight.attempt_id)
             flight.phase = Phase.DECODING
-            if decode is not None:
+            if decode is not None and out.finished:
+                # NOTE: its first token already completed a stop string: the decode side must never start
+                # (it would generate, unread, until EOS or max_tokens, holding KV).
+                await self.pool.send(decode, CancelReceive([flight.attempt_id]))
+            elif decode is not None:
                 await self.pool.send(decode, StartDecode(flight.attempt_id, output.new_token_ids[-1]))
         elif output.finish_reason is not None and flight.phase != Phase.DECODING and decode is not None:
             await self.pool.send(decode, CancelReceive([flight.attempt_id]))  # ended at its first token

@@ -9,6 +9,7 @@ import msgspec
 from kvbaton.config import EngineConfig
 
 SPEC_ENV = "KVBATON_WORKER_SPEC"  # how a launcher hands a worker its spec (never argv: `ps` shows argv)
+ROUTER_NAME = "kvbaton-router"  # the router's endpoint name on the control channel
 
 
 class WorkerRole(str, enum.Enum):
@@ -28,6 +29,8 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"  # address the worker's KV receiver binds to
     redis_url: str | None = None
     redis_ttl_s: int = 60
+    # mooncake: its data plane is unauthenticated; off loopback only when the operator says so
+    allow_insecure_transport: bool = False
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,6 +41,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"  # the worker binds its command socket here (port chosen by the OS)
     connector: ConnectorSpec = ConnectorSpec()
     heartbeat_s: float = 0.5
+    # the router's session nonce (hex): the worker takes commands only from it, addresses its events to it
+    router_session: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, WorkerRole):

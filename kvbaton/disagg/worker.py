@@ -37,7 +37,6 @@ from kvbaton.disagg.messages import (
     CheckIntegrity,
     Drain,
     Drained,
-    FromWorker,
     IntegrityReport,
     PrepareReceive,
     ReceiveRefused,
@@ -50,14 +49,22 @@ from kvbaton.disagg.messages import (
     WorkerOutputs,
 )
 from kvbaton.disagg.roles import Role, role_of
-from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
+from kvbaton.disagg.spec import ROUTER_NAME, SPEC_ENV, WorkerSpec
 from kvbaton.engine.core import EngineCore
 from kvbaton.engine.outputs import TransferFailure
 from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
-from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SECRET_ENV, SignedCodec
+from kvbaton.wire import (
+    MAX_CONTROL_FRAME_BYTES,
+    SECRET_ENV,
+    SESSION_BYTES,
+    ChannelError,
+    MalformedMessage,
+    Peer,
+    SequencedCodec,
+)
 
 logger = logging.getLogger("kvbaton.worker")
 BUSY_POLL_MS = 2  # while transfers are in flight but nothing is runnable
@@ -75,14 +82,17 @@ class Worker:
         self.events = ctx.socket(zmq.PUSH)
         self.events.setsockopt(zmq.LINGER, 1000)
         self.events.connect(spec.router)
-        self.codec_in = SignedCodec(secret, ToWorker)
-        self.codec_out = SignedCodec(secret, FromWorker)
+        # NOTE: a fresh session per process: frames captured from an earlier worker of this name are
+        # addressed to another session; commands are taken only from the router session in the spec.
+        self.codec = SequencedCodec(secret, ToWorker, Peer.fresh(self.name))
+        self.codec.trust(router_peer(spec))
         self.running = True
         self.draining = False
         self._parent_pid = os.getppid() if exit_with_parent else None
         self._load_seq = 0
         self.last_load = self._load()  # what the heartbeat thread reports; replaced, never mutated
-        self._heartbeat = HeartbeatThread(self.name, spec.router, spec.heartbeat_s, secret, ctx, lambda: self.last_load)
+        self._heartbeat = HeartbeatThread(self.name, spec.router, spec.heartbeat_s, self.codec.for_stream(1), ctx,
+                                          lambda: self.last_load)
         self._handlers: dict[type, Callable[[Any], None]] = {
             AddRequest: self._add, AbortRequests: self._abort, Drain: self._drain, Shutdown: self._shutdown,
             CheckIntegrity: self._check_integrity, **self.role.commands(self),
@@ -107,6 +117,8 @@ class Worker:
                 result = self.core.step()
                 # NOTE: failures first: the router then falls back before it sees a hand-off's first token
                 self._report_failures(result.failed_transfers)
+                for failure in result.failed_requests:
+                    self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=True))
                 self.send(WorkerOutputs(self.name, result.outputs, self._load()))
             if self.draining and self._idle():
                 self.send(Drained(self.name))
@@ -119,9 +131,30 @@ class Worker:
         while self.commands.poll(block_ms):
             block_ms = 0
             frame = self.commands.recv(copy=False)
-            msg = self.codec_in.try_decode(frame.buffer, self.name)
-            if msg is not None:
-                self._handlers.get(type(msg), self._not_for_this_role)(msg)
+            try:
+                received = self.codec.decode(frame.buffer)
+            except MalformedMessage as exc:
+                # NOTE: authentic but unreadable here (the router accepted a value this side refuses):
+                # fail its request now, or the client would wait for an answer that never comes
+                logger.warning("%s: refused a frame (%d bytes): %s", self.name, len(frame.buffer), exc)
+                if exc.request_id is not None:
+                    self.send(RequestFailed(self.name, exc.request_id, f"the worker could not read it: {exc}"))
+                continue
+            except ChannelError as exc:
+                logger.warning("%s: refused a frame (%d bytes): %s", self.name, len(frame.buffer), exc)
+                continue
+            self._handle(received.msg)
+
+    def _handle(self, msg: Any) -> None:
+        """Run one command. One that raises is logged and, if it names a request, fails only that
+        request: a command never takes the worker (and every request on it) down."""
+        try:
+            self._handlers.get(type(msg), self._not_for_this_role)(msg)
+        except Exception as exc:
+            logger.exception("%s: %s failed", self.name, type(msg).__name__)
+            request_id = getattr(msg, "request_id", None)
+            if isinstance(request_id, str):
+                self.send(RequestFailed(self.name, request_id, f"{type(msg).__name__} failed: {exc}"))
 
     # ---- commands ----------------------------------------------------------------------------
 
@@ -130,6 +163,7 @@ class Worker:
         try:
             self.core.add_request(req)
         except (InvalidRequestError, ValueError) as exc:
+            logger.warning("refused request %s: %s", msg.request_id, exc)
             self.send(RequestFailed(self.name, msg.request_id, str(exc)))
 
     def _not_for_this_role(self, msg: Any) -> None:
@@ -171,12 +205,24 @@ class Worker:
         return self.last_load
 
     def send(self, msg: msgspec.Struct) -> None:
-        self.events.send(self.codec_out.encode(msg), copy=False)
+        self.events.send(self.codec.encode(msg, ROUTER_NAME), copy=False)
 
     def close(self) -> None:
         self._heartbeat.stop()
         self.commands.close(linger=0)
         self.events.close()
+
+
+def router_peer(spec: WorkerSpec) -> Peer:
+    """The router's end of the control channel, as the launcher told this worker."""
+    try:
+        session = bytes.fromhex(spec.router_session)
+    except ValueError:
+        session = b""
+    if len(session) != SESSION_BYTES:
+        raise ValueError(f"{spec.name}: the spec's router_session must be {SESSION_BYTES} bytes of hex "
+                         f"(the pool that launches a worker sets it), not {spec.router_session!r}")
+    return Peer(ROUTER_NAME, session)
 
 
 def build_core(spec: WorkerSpec, role: Role, secret: bytes) -> EngineCore:

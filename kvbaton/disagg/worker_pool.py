@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvbaton.config import EngineConfig
+from kvbaton.config import ConfigError, EngineConfig
 from kvbaton.disagg.launcher import Launcher
 from kvbaton.disagg.messages import (
     CheckIntegrity,
@@ -30,16 +30,16 @@ from kvbaton.disagg.messages import (
     Heartbeat,
     IntegrityReport,
     Shutdown,
-    ToWorker,
     WorkerHello,
     WorkerLoad,
     WorkerOutputs,
 )
-from kvbaton.disagg.spec import ConnectorSpec, WorkerRole, WorkerSpec
+from kvbaton.disagg.spec import ROUTER_NAME, ConnectorSpec, WorkerRole, WorkerSpec
+from kvbaton.disagg.supervision import RestartPolicy, SlotState, Supervisor, TaskGuard
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.info import EngineInfo, EngineStats
 from kvbaton.kv.layout import KVLayout
-from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SignedCodec
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec
 
 logger = logging.getLogger(__name__)
 StatsListener = Callable[[EngineStats], None]
@@ -50,6 +50,11 @@ class PoolConfig:
     heartbeat_s: float = 0.5
     dead_after_s: float = 5.0  # no heartbeat for this long: the worker is gone
     start_timeout_s: float = 600.0
+    restart: RestartPolicy = RestartPolicy()  # how a worker declared dead is replaced (see `supervision`)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise ConfigError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
 
 
 @dataclass(kw_only=True)
@@ -106,6 +111,10 @@ class PoolListener(Protocol):
         """`worker` was drained and stopped: nothing was in flight on it."""
         ...
 
+    def on_pool_health(self, reason: str | None) -> None:
+        """The pool can serve again (None), or cannot: why (a worker restarting, a slot down, a pool task dead)."""
+        ...
+
 
 class WorkerPool:
     def __init__(self, engine: EngineConfig, launcher: Launcher, secret: bytes, config: PoolConfig = PoolConfig(),
@@ -117,14 +126,19 @@ class WorkerPool:
         self.info: EngineInfo | None = None
         self.stats = EngineStats()
         self.address = ""
-        self._codec_out = SignedCodec(secret, ToWorker)
-        self._codec_in = SignedCodec(secret, FromWorker)
+        # NOTE: one session per pool: workers get it in their spec and take commands only from it; each
+        # worker's session is learnt from its hello, which the codec admits only for a session never seen.
+        self._codec = SequencedCodec(secret, FromWorker, Peer.fresh(ROUTER_NAME))
         self._ctx = zmq.asyncio.Context()
         self._next_index = dict.fromkeys(WorkerRole, 0)
         self._stats_listeners: list[StatsListener] = []
-        self._tasks: list[asyncio.Task] = []
         self._hello = asyncio.Event()
         self._integrity: dict[str, asyncio.Future] = {}
+        self._guard = TaskGuard(self._fail)
+        self.supervisor = Supervisor(config.restart, self._relaunch, self._health_changed, self._guard.spawn)
+        self.failed: str | None = None  # a pool task died: the pool is down for good (see `_fail`)
+        self._reported_health: str | None = "not started"
+        self._closing = False
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -135,7 +149,8 @@ class WorkerPool:
         self._events.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME_BYTES)
         port = self._events.bind_to_random_port(f"tcp://{self.host}")
         self.address = f"tcp://{self.host}:{port}"
-        self._tasks = [asyncio.create_task(self._event_loop()), asyncio.create_task(self._watchdog())]
+        self._guard.spawn(self._event_loop(), "event loop", forever=True)
+        self._guard.spawn(self._watchdog(), "watchdog", forever=True)
         decode_role = WorkerRole.DECODE if num_prefill else WorkerRole.BOTH
         names = [await self.add_worker(WorkerRole.PREFILL) for _ in range(num_prefill)]
         names += [await self.add_worker(decode_role) for _ in range(num_decode)]
@@ -144,10 +159,12 @@ class WorkerPool:
     async def add_worker(self, role: WorkerRole) -> str:
         """Start one more worker in `role`; it joins the pool when it says hello."""
         spec = WorkerSpec(role=role, index=self._next_index[role], engine=self.engine_config, router=self.address,
+                          router_session=self._codec.me.session.hex(),
                           host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s)
         self._next_index[role] += 1
         # NOTE: off the event loop: a Ray launch waits for its placement group.
         await asyncio.to_thread(self.launcher.launch, spec)
+        self.supervisor.add(spec)
         return spec.name
 
     async def wait_for_workers(self, names: list[str], timeout_s: float) -> None:
@@ -163,6 +180,7 @@ class WorkerPool:
                 await asyncio.wait_for(self._hello.wait(), 0.5)
             except TimeoutError:
                 pass
+        self._health_changed()
 
     async def drain_worker(self, name: str) -> None:
         """Stop routing to `name`; it shuts down once its requests are done (`Drained`).
@@ -176,8 +194,8 @@ class WorkerPool:
         await self.send(worker, Drain())
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
-        for task in self._tasks:
-            task.cancel()
+        self._closing = True
+        await self._guard.close()  # the restarts too: a replacement that had not joined yet is killed
         for worker in self.workers.values():
             if worker.alive:
                 await self.send(worker, Shutdown())
@@ -203,8 +221,22 @@ class WorkerPool:
     def can_decode(self) -> bool:
         return any(w.alive and w.can_decode for w in self.workers.values())
 
+    @property
+    def down_reason(self) -> str | None:
+        """None while the pool can serve; else why not (what /health and the 503s say)."""
+        if self.failed is not None:
+            return self.failed
+        if self.can_decode:
+            return None
+        slots = [s.describe(self.config.restart) for s in self.supervisor.not_up() if s.spec.role.decodes]
+        return f"engine core exited: {'; '.join(slots)}; no worker can decode" if slots else "no worker can decode"
+
     def view(self) -> list[dict[str, Any]]:
-        return [w.view() for w in self.workers.values()]
+        """The workers in the pool, each with its slot's restart count, then the slots that are down for good.
+        NOTE: a slot whose replacement is still starting shows once the replacement has joined."""
+        joined = [{**w.view(), "restarts": self.supervisor.restarts(w.name)} for w in self.workers.values()]
+        down = [s.view(self.config.restart) for s in self.supervisor.not_up() if s.state == SlotState.DOWN]
+        return joined + down
 
     def add_stats_listener(self, callback: StatsListener) -> None:
         self._stats_listeners.append(callback)
@@ -224,15 +256,20 @@ class WorkerPool:
         return dict(zip(futures, done))
 
     async def send(self, worker: WorkerHandle, msg: msgspec.Struct) -> None:
-        await worker.socket.send(self._codec_out.encode(msg), copy=False)
+        await worker.socket.send(self._codec.encode(msg, worker.name), copy=False)
 
     # ---- worker events ---------------------------------------------------------------------
 
     async def _event_loop(self) -> None:
         while True:
             frame = await self._events.recv(copy=False)
-            msg = self._codec_in.try_decode(frame.buffer, "router")
-            if msg is None:
+            received = self._codec.try_decode(frame.buffer, "router", hello=WorkerHello)
+            if received is None:
+                continue
+            msg = received.msg
+            if msg.name != received.header.sender.name:
+                logger.warning("router: refused a frame: %s signed a message for %s", received.header.sender.name,
+                               msg.name)
                 continue
             try:
                 await self._on_event(msg)
@@ -257,11 +294,15 @@ class WorkerPool:
             if future is not None and not future.done():
                 future.set_result(msg)
         elif isinstance(msg, Drained):
-            await self._retire(worker)
+            if worker.draining:
+                await self._retire(worker)
+            else:  # NOTE: only a drain we sent is answered by retiring: a stray Drained must not stop a worker
+                logger.warning("router: ignored a Drained from %s: no drain was sent to it", worker.name)
         elif self.listener is not None:
             await self.listener.on_worker_message(worker, msg)
 
     def _register(self, msg: WorkerHello) -> None:
+        """A hello the codec admitted: a session it never saw (a worker started, or restarted under its name)."""
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(msg.address)
@@ -279,6 +320,8 @@ class WorkerPool:
         worker.alive = False
         await asyncio.to_thread(self.launcher.stop, worker.name)
         self._forget(worker)
+        self.supervisor.remove(worker.name)
+        self._health_changed()
         logger.info("%s drained and stopped", worker.name)
         if self.listener is not None:
             self.listener.on_worker_retired(worker)
@@ -316,5 +359,67 @@ class WorkerPool:
         # NOTE: fence it: a worker that was only stalled must not come back and act on old requests.
         await asyncio.to_thread(self.launcher.kill, worker.name)
         self._forget(worker)
+        if worker.draining or self._closing or self.failed is not None:
+            self.supervisor.remove(worker.name)  # it was leaving anyway: nothing replaces it
+        else:
+            self.supervisor.worker_died(worker.name, reason)
+        self._health_changed()  # before the re-dispatch: a request with nowhere to go fails with the reason
         if self.listener is not None:
             await self.listener.on_worker_lost(worker, reason)
+
+    # ---- supervision -----------------------------------------------------------------------
+
+    async def _relaunch(self, spec: WorkerSpec) -> None:
+        """The supervisor's restart: start `spec`'s worker again and wait for its hello. On failure
+        (it exited, it timed out, we are shutting down) nothing of it is left running."""
+        # NOTE: shielded: a launch cancelled half-way must still finish, so that what it started is killed.
+        launch = asyncio.ensure_future(asyncio.to_thread(self.launcher.launch, spec))
+        try:
+            await asyncio.shield(launch)
+            await self.wait_for_workers([spec.name], self.config.start_timeout_s)
+        except BaseException:
+            await asyncio.wait({launch})
+            await asyncio.to_thread(self.launcher.kill, spec.name)
+            raise
+
+    def _health_changed(self) -> None:
+        """Tell the router when the pool goes down (and why) or can serve again."""
+        reason = self.down_reason
+        if reason == self._reported_health:
+            return
+        self._reported_health = reason
+        if reason is None:
+            logger.info("the pool can serve")
+        else:
+            logger.warning("the pool cannot serve: %s", reason)
+        if self.listener is not None:
+            self.listener.on_pool_health(reason)
+
+    # ---- a pool task that died ---------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        # NOTE: a pool task that dies is a bug in kvbaton, not a worker fault: restarting it would most
+        # likely die the same way, in a loop, while requests hang. So the pool goes down for good,
+        # loudly: /health says why (so an orchestrator restarts the server) and every request fails.
+        if self.failed is not None:
+            return
+        self.failed = f"internal error, restart the server: {reason}"
+        logger.error("the pool is down for good: %s", self.failed)
+        self._guard.spawn(self._take_down(), "take-down")
+
+    async def _take_down(self) -> None:
+        """Fence every worker and fail their requests (the router finds no worker left to re-dispatch to)."""
+        try:
+            lost = list(self.workers.values())
+            for worker in lost:
+                worker.alive = False
+            await self.supervisor.close()
+            for worker in lost:
+                await asyncio.to_thread(self.launcher.kill, worker.name)
+                self._forget(worker)
+            self._health_changed()
+            for worker in lost:
+                if self.listener is not None:
+                    await self.listener.on_worker_lost(worker, str(self.failed))
+        except Exception:
+            logger.exception("the pool could not take itself down cleanly")

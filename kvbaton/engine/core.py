@@ -18,7 +18,14 @@ from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
-from kvbaton.engine.outputs import FinishReason, RemoteDecode, StepResult, TransferFailure
+from kvbaton.engine.outputs import (
+    FinishReason,
+    RemoteDecode,
+    RequestFailure,
+    SchedulerOutput,
+    StepResult,
+    TransferFailure,
+)
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
@@ -37,6 +44,8 @@ logger = logging.getLogger(__name__)
 UPCAST_MIN_ROWS = 16
 # bf16 models up to this size also keep an fp32 copy of their weights for many-row steps.
 FP32_WEIGHT_COPY_MAX_BYTES = 2**30
+# A batch that raises fails its requests; this many in a row and the engine, not a request, is at fault.
+MAX_CONSECUTIVE_STEP_FAILURES = 3
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,7 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
         self.handoff, self.runner = self._build_runner(model, num_blocks, kv_transfer)
+        self._consecutive_step_failures = 0
         if config.compile:
             from kvbaton.engine.compile import compile_model
 
@@ -112,7 +122,7 @@ class EngineCore:
                        remote_decode=remote_decode)
 
     def validate(self, req: Request) -> None:
-        validate_request(self.info, req.prompt_token_ids, req.sampling_params)
+        validate_request(self.info, req.prompt_token_ids, req.sampling_params, req.priority)
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
@@ -130,9 +140,28 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepResult:
+        """One scheduled batch through the model. A batch that raises fails its own requests (their
+        blocks freed) and the engine goes on; `MAX_CONSECUTIVE_STEP_FAILURES` in a row mean the engine
+        itself is broken, and the error propagates (the worker exits and its supervisor replaces it)."""
         sched = self.scheduler.schedule()
-        model_output = self.runner.execute(sched)
-        return StepResult(self.scheduler.update_from_output(sched, model_output), model_output.failed_transfers)
+        try:
+            model_output = self.runner.execute(sched)
+            outputs = self.scheduler.update_from_output(sched, model_output)
+        except Exception as exc:
+            self._consecutive_step_failures += 1
+            if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                raise
+            return StepResult([], failed_requests=self._fail_batch(sched, exc))
+        self._consecutive_step_failures = 0
+        return StepResult(outputs, model_output.failed_transfers)
+
+    def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[RequestFailure]:
+        ids = [s.request_id for s in sched.scheduled]
+        logger.exception("engine step failed on %d request(s) (%s); failing them and going on", len(ids),
+                         ", ".join(ids[:8]), exc_info=exc)
+        self.abort_requests(ids)
+        reason = f"the engine failed while computing this request: {type(exc).__name__}: {exc}"
+        return [RequestFailure(request_id, reason) for request_id in ids]
 
     # ---- KV hand-off (disaggregated workers) ----------------------------------------------------
 

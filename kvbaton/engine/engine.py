@@ -38,14 +38,14 @@ class LLMEngine:
         """Validate and queue a request; raises InvalidRequestError and changes nothing if bad."""
         params = params or SamplingParams()
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
-        self.validate(token_ids, params)
+        self.validate(token_ids, params, priority)
         req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(req)
         self.outputs.add_request(request_id, text, token_ids, params, req.arrival_time)
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(self.info, token_ids, params)
+    def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        validate_request(self.info, token_ids, params, priority)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -57,7 +57,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         results = []
-        for core_output in self.core.step().outputs:
+        step = self.core.step()
+        # A batch that raised: its requests end as aborted (the core logged why), the rest go on.
+        results += [out for out in (self.outputs.abort(f.request_id) for f in step.failed_requests) if out is not None]
+        for core_output in step.outputs:
             out, stop_string = self.outputs.process(core_output)
             if stop_string is not None and core_output.finish_reason is None:
                 self.core.abort_requests([core_output.request_id], FinishReason.STOP)

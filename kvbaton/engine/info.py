@@ -6,9 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbaton.engine.kv_cache_manager import cdiv
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.engine.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
 
 MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
+MAX_STOP_TOKEN_IDS = 1024  # each is checked at every step of the request
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,23 +64,39 @@ class EngineStats:
         return 1.0 - self.kv_slots_filled / self.kv_slots_allocated
 
 
-def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingParams) -> None:
-    """Raise InvalidRequestError (naming the problem) for a request the core cannot run."""
+def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    """Raise InvalidRequestError (naming the field) for a request the core cannot run.
+
+    The one check every path runs (the router before any worker sees the request, the worker
+    again, the offline API): whatever passes here the engine can carry and compute. The cheap
+    length checks come first, the scan over every token id last."""
     if not token_ids:
-        raise InvalidRequestError("prompt is empty")
-    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-        raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}")
-    if not all(isinstance(t, int) and 0 <= t < info.vocab_size for t in token_ids):
-        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {info.vocab_size})")
+        raise InvalidRequestError("prompt is empty", "prompt")
     if len(token_ids) >= info.max_model_len:
         raise InvalidRequestError(
             f"prompt has {len(token_ids)} tokens but the model's context length is {info.max_model_len}; "
-            f"it must be shorter to leave room for at least one generated token")
+            f"it must be shorter to leave room for at least one generated token", "prompt")
     if cdiv(len(token_ids) + 1, info.block_size) > info.num_blocks:
         raise InvalidRequestError(
             f"prompt of {len(token_ids)} tokens cannot fit in the KV cache ({info.num_blocks} blocks of "
-            f"{info.block_size} tokens)")
+            f"{info.block_size} tokens)", "prompt")
     if not info.enable_chunked_prefill and len(token_ids) > info.max_num_batched_tokens:
         raise InvalidRequestError(
             f"prompt of {len(token_ids)} tokens exceeds max_num_batched_tokens={info.max_num_batched_tokens} "
-            f"and chunked prefill is off")
+            f"and chunked prefill is off", "prompt")
+    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}", "logprobs")
+    if not (isinstance(priority, int) and INT64_MIN <= priority <= INT64_MAX):
+        raise InvalidRequestError("priority must fit in a signed 64-bit int", "priority")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(params.stop_token_ids)}",
+                                  "stop_token_ids")
+    if not _all_token_ids(params.stop_token_ids, info.vocab_size):
+        raise InvalidRequestError(f"stop_token_ids must be integers in [0, {info.vocab_size})", "stop_token_ids")
+    if not _all_token_ids(token_ids, info.vocab_size):
+        raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {info.vocab_size})", "prompt")
+
+
+def _all_token_ids(ids: list[int], vocab_size: int) -> bool:
+    # NOTE: `bool` is an int subclass; a JSON `true` in a token list is a client bug, not token 1.
+    return all(type(t) is int and 0 <= t < vocab_size for t in ids)

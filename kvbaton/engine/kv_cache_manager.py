@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvbaton.engine.block_pool import BlockPool, KVBlock
 from kvbaton.engine.request import Request
-from kvbaton.kv.hashing import hash_block_tokens
+from kvbaton.kv.hashing import hash_block_tokens, salted_root
 
 
 def cdiv(a: int, b: int) -> int:
@@ -126,7 +126,7 @@ class KVCacheManager:
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         bs = self.block_size
         for i in range(len(req.block_hashes), num_blocks):
-            parent = req.block_hashes[i - 1] if i else None
+            parent = req.block_hashes[i - 1] if i else salted_root(req.sampling_params.cache_salt)
             req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs)))
 
     def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_known_tokens: int) -> None:

@@ -104,9 +104,19 @@ class EngineCoreOutput:
 
 
 @dataclass(frozen=True)
+class RequestFailure:
+    """A request the engine gave up on inside a step (the step raised while computing it); its blocks are freed."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class StepResult:
-    """What one engine step gave back: each request's new tokens, and (prefill role) the hand-offs
-    that could not begin. Callers report the failures before the outputs (see `disagg.worker`)."""
+    """What one engine step gave back: each request's new tokens, (prefill role) the hand-offs that
+    could not begin, and the requests of a batch that raised. Callers report the failures before the
+    outputs (see `disagg.worker`)."""
 
     outputs: list[EngineCoreOutput]
     failed_transfers: list[TransferFailure] = field(default_factory=list)
+    failed_requests: list[RequestFailure] = field(default_factory=list)

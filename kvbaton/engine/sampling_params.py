@@ -4,9 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# NOTE: below this, `logits / temperature` can overflow float32 to inf, and softmax of inf is NaN, which
+# `torch.multinomial` refuses: 1e-39 took an engine down. vLLM clamps below 1e-2 with a warning; we refuse.
+MIN_TEMPERATURE = 1e-2
+# NOTE: a positive top_p as small as 5e-324 (a subnormal) reached a worker as 0.0 (a CPU flushing subnormals
+# to zero) and was refused there, after the router had accepted it; below this floor top_p keeps one token.
+MIN_TOP_P = 1e-8
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack (and a torch.Generator seed) carries signed
+INT32_MAX = 2**31 - 1  # token counts and top_k: far above any context, far below any overflow
+MAX_CACHE_SALT_CHARS = 256
+
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message names the offending field."""
+    """A request the engine refuses; `param` names the offending field when there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -24,6 +38,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's request field: requests with different salts never share prefix-cache blocks (so one
+    # tenant cannot probe another's prompts by timing). It travels with the params to every worker.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # NOTE: `stop` is declared as the forms callers may pass; from here on it is always a list.
@@ -43,17 +60,28 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _validate(self, stop: list[str]) -> None:
+        t = self.temperature
         checks = [
-            (self.n == 1, "n: only n=1 is supported"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be >= 0, got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in stop), "stop strings must be non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+            (self.n == 1, "n", "n: only n=1 is supported"),
+            (isinstance(t, (int, float)) and (t == 0.0 or MIN_TEMPERATURE <= t), "temperature",
+             f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t}"),
+            (MIN_TOP_P <= self.top_p <= 1.0, "top_p", f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}"),
+            (-1 <= self.top_k <= INT32_MAX, "top_k",
+             f"top_k must be -1, 0 (disabled) or a positive count <= {INT32_MAX}, got {self.top_k}"),
+            (self.seed is None or INT64_MIN <= self.seed <= INT64_MAX, "seed", "seed must fit in a signed 64-bit int"),
+            (self.max_tokens is None or 1 <= self.max_tokens <= INT32_MAX, "max_tokens",
+             f"max_tokens must be in [1, {INT32_MAX}], got {self.max_tokens}"),
+            (0 <= self.min_tokens <= INT32_MAX, "min_tokens", f"min_tokens must be in [0, {INT32_MAX}]"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}"),
+            (all(isinstance(s, str) and s for s in stop), "stop", "stop strings must be non-empty strings"),
+            (all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
+             "stop_token_ids must be token ids"),
+            (self.cache_salt is None or (isinstance(self.cache_salt, str)
+                                         and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS), "cache_salt",
+             f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise InvalidRequestError(message)
+                raise InvalidRequestError(message, param)

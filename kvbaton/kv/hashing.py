@@ -35,6 +35,14 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> Blo
     return digest.digest()
 
 
+def salted_root(salt: str | None) -> BlockHash | None:
+    """The parent of a request's first block: None (the shared root) unsalted, else a root of the salt's
+    own, so requests with different `cache_salt`s never name a block alike."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(ROOT_HASH + b"\x00salt\x00" + salt.encode(), digest_size=HASH_BYTES).digest()
+
+
 def chained_block_hashes(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None,
                          start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
     """Hashes of the full blocks `start_block .. start_block + num_blocks` of `token_ids` (default: every full

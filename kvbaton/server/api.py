@@ -1,57 +1,65 @@
 """OpenAI-compatible HTTP API (FastAPI) in front of an `EngineClient` (the router over the workers).
 
-The event loop only tokenizes, routes and streams; model compute happens in worker processes,
-so a long prefill never blocks the loop. The same app serves colocated and disaggregated
-deployments: it knows the engines only through the `EngineClient` protocol.
+The event loop only routes and streams: model compute happens in worker processes, and chat
+templating and tokenization in a thread pool (`prompts.PromptEncoder`), so neither a long prefill
+nor a long prompt blocks the loop. The same app serves colocated and disaggregated deployments: it
+knows the engines only through the `EngineClient` protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.errors import EngineDeadError
+from kvbaton.engine.errors import EngineError
 from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.engine.sampling_params import INT64_MAX, InvalidRequestError, SamplingParams
+from kvbaton.server.admin import add_worker_routes
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
 from kvbaton.server.engine_client import EngineClient
+from kvbaton.server.errors import ApiError, HttpError, http_error
+from kvbaton.server.guards import ADMIN_PATHS, AdminAccess, BodyLimit, bearer_matches
 from kvbaton.server.metrics import ServerMetrics
-from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kvbaton.server.prompts import PromptEncoder
+from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvbaton.server.responses import ResponseBuilder, sse
 
-logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServerSettings:
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | None = None  # /v1/*
+    admin_api_key: str | None = None  # /admin/*, /workers (see guards.AdminAccess)
+    bind_host: str = "127.0.0.1"
     admission: AdmissionLimits = AdmissionLimits()
     retry_after_s: int = 1
+    max_request_bytes: int = 4 * 2**20
+    # NOTE: a client may ask to be served before others, but only by so much: |priority| <= this
+    # (0: client priorities are refused, everyone is equal).
+    max_priority_range: int = 10**6
+    max_workers: int = 16
 
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.err_type, self.param = status, message, err_type, param
-
-
-def _error(status: int, message: str, err_type: str, param: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, err_type, status, param), status_code=status, headers=headers)
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ConfigError("max_request_bytes must be >= 1024")
+        if not 0 <= self.max_priority_range <= INT64_MAX:
+            raise ConfigError("max_priority_range must be in [0, 2**63)")
+        if self.max_workers < 1:
+            raise ConfigError("max_workers must be >= 1")
 
 
 class OpenAIServer:
@@ -62,48 +70,43 @@ class OpenAIServer:
         self.settings = settings
         self.metrics = ServerMetrics(settings.served_model_name)
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
+        self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
         client.add_stats_listener(self.metrics.observe_stats)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+            raise ApiError(404, f"The model {model[:100]!r} does not exist; this server serves "
                                 f"`{self.settings.served_model_name}`", "NotFoundError", "model")
 
-    def completion_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ApiError(400, "only one prompt per request is supported", "BadRequestError", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt, self.client.tokenizer.encode(prompt)
-        return None, cast(list[int], list(prompt))  # neither str nor a batch: token ids (pydantic checked)
-
-    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        text = self.client.tokenizer.apply_chat_template(req.plain_messages())
-        return text, self.client.tokenizer.encode(text)
+    def check_priority(self, priority: int) -> None:
+        limit = self.settings.max_priority_range
+        if abs(priority) > limit:
+            raise ApiError(400, f"priority must be in [-{limit}, {limit}] on this server (--max-priority-range), "
+                                f"got {priority}", "BadRequestError", "priority")
 
     async def handle(self, req: CompletionRequest | ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        self.check_priority(req.priority)
+        params = req.sampling_params()  # cheap checks first: the prompt's costly ones come after
         if isinstance(req, CompletionRequest):
             if req.echo:
                 raise ApiError(400, "echo is not supported", "BadRequestError", "echo")
             kind, top_n = "completion", req.logprobs
-            prompt, token_ids = self.completion_prompt(req)
+            prompt, token_ids = await self.prompts.completion(req.prompt)
         else:
             kind, top_n = "chat", req.top_logprobs
-            prompt, token_ids = self.chat_prompt(req)
-        params = req.sampling_params()
+            prompt, token_ids = await self.prompts.chat(req.plain_messages())
         try:
-            self.client.validate(token_ids, params)
+            self.client.validate(token_ids, params, req.priority)
         except InvalidRequestError as exc:
-            raise ApiError(400, str(exc), "BadRequestError", "prompt" if "prompt" in str(exc) else None) from exc
+            param = "messages" if kind == "chat" and exc.param == "prompt" else exc.param
+            raise ApiError(400, str(exc), "BadRequestError", param) from exc
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:20]}"
         refusal = self.admission.try_admit(request_id, len(token_ids))
         if refusal is not None:
             self.metrics.rejected.labels(self.settings.served_model_name).inc()
-            return _error(503, refusal, "ServiceUnavailableError",
-                          headers={"Retry-After": str(self.settings.retry_after_s)})
+            return HttpError(503, refusal, "ServiceUnavailableError").response(
+                headers={"Retry-After": str(self.settings.retry_after_s)})
         builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n)
         outputs = self._outputs(request_id, prompt, token_ids, params, req.priority)
         if req.stream:
@@ -142,8 +145,9 @@ class OpenAIServer:
             if include_usage and last is not None:
                 yield sse(builder.usage_chunk(last))
             yield sse("[DONE]")
-        except EngineDeadError as exc:
-            yield sse(error_body(str(exc), "InternalServerError", 500))
+        except Exception as exc:  # the 200 is sent: the error goes in the stream, which still ends properly
+            for event in http_error(exc).events():
+                yield event
         finally:
             await outputs.aclose()
 
@@ -163,43 +167,26 @@ class OpenAIServer:
                 return Response(status_code=499)
         try:
             out = task.result()
-        except EngineDeadError as exc:
-            return _error(500, str(exc), "InternalServerError")
+        except Exception as exc:
+            return http_error(exc).response()
         if out is None:  # the stream ended without an output: nothing to answer with
-            return _error(500, "the engine returned no output", "InternalServerError")
+            return HttpError(500, "the engine returned no output", "InternalServerError").response()
         return JSONResponse(builder.full(out))
 
 
 def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
-    app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None)
     server = OpenAIServer(client, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        server.prompts.close()
+
+    app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
-
-    @app.middleware("http")
-    async def require_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        key = settings.api_key
-        if key and request.url.path.startswith(("/v1", "/admin")):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return _error(401, "invalid or missing API key", "AuthenticationError")
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid JSON")
-        return _error(400, message, "BadRequestError", param)
-
-    @app.exception_handler(ApiError)
-    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.err_type, exc.param)
-
-    @app.exception_handler(InvalidRequestError)
-    @app.exception_handler(ConfigError)  # e.g. chat on a model whose tokenizer has no chat template
-    async def on_invalid(_: Request, exc: Exception) -> JSONResponse:
-        return _error(400, str(exc), "BadRequestError")
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    add_access_checks(app, settings)
+    add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:
@@ -218,7 +205,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         if not client.is_alive:
-            return _error(503, client.dead_reason or "no engine is running", "ServiceUnavailableError")
+            return HttpError(503, client.dead_reason or "no engine is running", "ServiceUnavailableError").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -232,35 +219,48 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
                 "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending}
 
-    add_worker_routes(app, client)
+    add_worker_routes(app, client, settings.max_workers)
     return app
 
 
-def add_worker_routes(app: FastAPI, client: EngineClient) -> None:
-    """`GET /workers` (topology and load) and the elastic-pool admin endpoints."""
+def add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
+    """`--api-key` on /v1/*; the admin routes as `AdminAccess` decides."""
+    admin = AdminAccess(bind_host=settings.bind_host, admin_api_key=settings.admin_api_key, api_key=settings.api_key)
 
-    @app.get("/workers")
-    async def workers() -> dict[str, Any]:
-        return {"workers": client.workers_view()}
+    @app.middleware("http")
+    async def check_access(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        path = request.url.path
+        if path.startswith(ADMIN_PATHS):
+            refusal = admin.refusal(request.headers)
+            if refusal is not None:
+                return refusal.response()
+        elif settings.api_key and path.startswith("/v1") and not bearer_matches(request.headers, settings.api_key):
+            return HttpError(401, "invalid or missing API key", "AuthenticationError").response()
+        return await call_next(request)
 
-    @app.post("/admin/workers")
-    async def add_worker(body: dict[str, Any]) -> dict[str, str]:
-        role = body.get("role")
-        if role not in ("prefill", "decode"):
-            raise ApiError(400, "role must be 'prefill' or 'decode'", "BadRequestError", "role")
-        name = await client.add_worker(role)
-        try:
-            await client.wait_for_workers([name], body.get("timeout_s", 600))
-        except Exception as exc:
-            raise ApiError(500, f"{name} did not start: {exc}", "InternalServerError") from exc
-        return {"added": name}
 
-    @app.post("/admin/workers/{name}/drain")
-    async def drain_worker(name: str) -> dict[str, str]:
-        try:
-            await client.drain_worker(name)
-        except KeyError:
-            raise ApiError(404, f"no live worker named {name!r}", "NotFoundError", "name") from None
-        except ValueError as exc:
-            raise ApiError(409, str(exc), "ConflictError") from exc
-        return {"draining": name}
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error, wherever raised, answered as an OpenAI-style error body (`errors.http_error`)."""
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", "")
+            return HttpError(400, f"invalid JSON: {reason}", "BadRequestError").response()
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return HttpError(400, f"{param}: {msg}" if param else msg, "BadRequestError", param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_exception(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err_type = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+        return HttpError(exc.status_code, str(exc.detail), err_type).response(headers=dict(exc.headers or {}))
+
+    async def on_error(_: Request, exc: Exception) -> JSONResponse:
+        return http_error(exc).response()
+
+    # NOTE: the known kinds by name: a handler for `Exception` alone runs outside the app, after the
+    # exception was already reported as unhandled.
+    for kind in (ApiError, InvalidRequestError, ConfigError, EngineError, Exception):
+        app.add_exception_handler(kind, on_error)

@@ -18,10 +18,12 @@ from kvbaton.engine.tokenizer import Tokenizer
 
 class EngineClient(Protocol):
     """Contract:
+    - `validate` raises InvalidRequestError (its `param` naming the field) for a request no engine could run.
     - `generate` validates first (InvalidRequestError, nothing sent), then yields the request's
       outputs until the finished one; an unfinished consumer that stops (client gone, task
       cancelled) aborts the request wherever it runs, so its KV blocks are freed. When no engine
-      can serve, it raises (or ends the stream with) `EngineDeadError`, whose message says why.
+      can serve, it raises (or ends the stream with) an `EngineError` (`EngineDeadError`, `RequestFailedError`,
+      `RequestTimeoutError`), whose message says why and whose class says the HTTP status.
     - `info` is valid once the client is started; `stats` are the last reported, summed over the
       engines that decode.
     - The pool methods raise KeyError for an unknown worker and ValueError for a refused change
@@ -43,7 +45,7 @@ class EngineClient(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
-    def validate(self, token_ids: list[int], params: SamplingParams) -> None: ...
+    def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None: ...
 
     def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                  priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...

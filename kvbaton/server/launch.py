@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,11 @@ class ServeOptions:
     port: int = 8000
     served_model_name: str | None = None
     api_key: str | None = None
+    admin_api_key: str | None = None
     max_waiting_requests: int = 256
+    max_request_bytes: int = 4 * 2**20
+    max_priority_range: int = 10**6
+    max_workers: int = 16
     deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
 
 
@@ -33,11 +38,22 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     name = options.served_model_name or (DEFAULT_MODEL if config.model in (DEFAULT_MODEL, "default")
                                          else Path(model_dir).name)
     config = dataclasses.replace(config, model=str(model_dir))
-    settings = ServerSettings(name, options.api_key, AdmissionLimits(options.max_waiting_requests))
+    settings = ServerSettings(served_model_name=name, api_key=options.api_key, admin_api_key=options.admin_api_key,
+                              bind_host=options.host, admission=AdmissionLimits(options.max_waiting_requests),
+                              max_request_bytes=options.max_request_bytes,
+                              max_priority_range=options.max_priority_range, max_workers=options.max_workers)
     return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options))
 
 
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions) -> int:
+    # NOTE: uvicorn re-raises the SIGTERM it caught once it has stopped; with the default handler the
+    # process would die right there, before `deployment.shutdown()` stops the workers (one still loading
+    # its model would outlive us). As an exception it unwinds through the `finally` below.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     deployment = await deploy(config, tokenizer, options.deployment)
     try:
         app = build_app(deployment.router, settings)

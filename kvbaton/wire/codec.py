@@ -17,6 +17,26 @@ class ChannelError(ValueError):
     """A frame was refused (unsigned, forged, oversized, or not a known message)."""
 
 
+class MalformedMessage(ChannelError):
+    """A frame whose message does not decode as its type: after authentication, a value one side accepts
+    and the other refuses (a float the receiver's CPU flushes to zero, a version skew). `request_id` names
+    the request it was about, when it has one, so the receiver can fail that request instead of leaving
+    it to hang."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _request_id_of(frame: bytes | memoryview) -> str | None:
+    try:
+        fields = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    request_id = fields.get("request_id") if isinstance(fields, dict) else None
+    return request_id if isinstance(request_id, str) else None
+
+
 class Codec:
     """Encoder/decoder pair for one message union (`decode_type`)."""
 
@@ -33,5 +53,7 @@ class Codec:
             raise ChannelError(f"frame of {len(frame)} bytes exceeds the {self.max_frame_bytes}-byte limit")
         try:
             return self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except msgspec.ValidationError as exc:
+            raise MalformedMessage(f"malformed message: {exc}", _request_id_of(frame)) from exc
+        except msgspec.DecodeError as exc:
             raise ChannelError(f"malformed message: {exc}") from exc

@@ -7,6 +7,9 @@ logged; nothing received is ever unpickled or `torch.load`ed — unauthenticated
 ZeroMQ sockets is how PD-disaggregation stacks got remote-code-execution CVEs
 (CVE-2025-30165, CVE-2025-32444, CVE-2026-3060, CVE-2026-26220).
 
+A signed frame proves who may have sent it, not when or to whom: the router <-> worker channel,
+where a replayed `Drain` or output would act twice, uses `SequencedCodec` (sequenced.py) instead.
+
 The cluster secret comes from `KVBATON_CLUSTER_SECRET`, or is made
 fresh by the launcher and handed to the workers it starts (via the environment, never argv,
 so `ps` does not show it).

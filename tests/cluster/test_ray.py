@@ -31,17 +31,19 @@ from kvbaton.cluster.ray import (
 )
 from kvbaton.cluster.ray.actor import _Secret
 from kvbaton.config import CacheConfig, EngineConfig
-from kvbaton.disagg.messages import FromWorker, Shutdown, ToWorker, WorkerHello
-from kvbaton.disagg.spec import ConnectorSpec, WorkerRole, WorkerSpec
-from kvbaton.wire import SignedCodec, cluster_secret
+from kvbaton.disagg.messages import FromWorker, Shutdown, WorkerHello
+from kvbaton.disagg.spec import ROUTER_NAME, ConnectorSpec, WorkerRole, WorkerSpec
+from kvbaton.wire import Peer, SequencedCodec, cluster_secret
 
 NUM_CPUS = 2
+ROUTER = Peer.fresh(ROUTER_NAME)  # the session the real-worker test plays the router in
 
 
 def spec(role: str, index: int = 0, model: str = "unused", router: str = "tcp://127.0.0.1:1") -> WorkerSpec:
     engine = EngineConfig(model=model, dtype="float32", num_threads=1, kernels=False,
                           cache=CacheConfig(block_size=4, num_blocks=64))
-    return WorkerSpec(role=WorkerRole(role), index=index, engine=engine, router=router, heartbeat_s=0.2)
+    return WorkerSpec(role=WorkerRole(role), index=index, engine=engine, router=router, heartbeat_s=0.2,
+                      router_session=ROUTER.session.hex())
 
 
 # ---- without a cluster -------------------------------------------------------------------------
@@ -264,13 +266,15 @@ def test_another_process_joins_with_address_and_leaves_the_head_running(launcher
 # ---- real workers ------------------------------------------------------------------------------
 
 
-def await_hellos(socket: zmq.Socket, codec: SignedCodec, names: set[str], timeout_s: float) -> dict[str, WorkerHello]:
+def await_hellos(socket: zmq.Socket, codec: SequencedCodec, names: set[str],
+                 timeout_s: float) -> dict[str, WorkerHello]:
     hellos: dict[str, WorkerHello] = {}
     deadline = time.monotonic() + timeout_s
     while set(hellos) != names and time.monotonic() < deadline:
         if socket.poll(500):
-            msg = codec.decode(socket.recv())
-            if isinstance(msg, WorkerHello):
+            received = codec.try_decode(socket.recv(), "test router", hello=WorkerHello)
+            if received is not None and isinstance(received.msg, WorkerHello):
+                msg = received.msg
                 hellos[msg.name] = msg
     return hellos
 
@@ -292,7 +296,8 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
         placed = launcher.launch_many(specs, cpus_per_worker=0.5)
         assert {(w.name, w.rank, w.node_ip) for w in placed} == {(n, 0, "127.0.0.1") for n in names}
         assert len({w.placement_group_id for w in placed}) == 2
-        hellos = await_hellos(router, SignedCodec(launcher.secret, FromWorker), names, 180)
+        codec = SequencedCodec(launcher.secret, FromWorker, ROUTER)
+        hellos = await_hellos(router, codec, names, 180)
         assert set(hellos) == names, f"only {sorted(hellos)} said hello"
         print(f"workers announced in {time.monotonic() - t0:.1f} s")
         workers = {w.name: w for w in launcher.list_workers()}
@@ -304,7 +309,7 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
             assert launcher.secret not in cmdline(pid)
         push = ctx.socket(zmq.PUSH)
         push.connect(hellos["kvbaton-decode-0"].address)
-        push.send(SignedCodec(launcher.secret, ToWorker).encode(Shutdown()))
+        push.send(codec.encode(Shutdown(), "kvbaton-decode-0"))
         launcher.stop("kvbaton-decode-0", timeout_s=20)
         assert launcher.exit_codes["kvbaton-decode-0"] == 0  # exits on its own: no signal needed
         assert not launcher.is_alive("kvbaton-decode-0") and launcher.is_alive("kvbaton-prefill-0")
@@ -356,6 +361,12 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
             pid = launcher.pid("kvbaton-prefill-0")
             await asyncio.to_thread(launcher.kill, "kvbaton-prefill-0")  # how the router fences a dead worker
             assert not launcher.is_alive("kvbaton-prefill-0") and not Path(f"/proc/{pid}").exists()
+            for _ in range(1200):  # the pool replaces it under its name, in a new actor and group (bounded wait)
+                if pool.supervisor.restarts("kvbaton-prefill-0") and "kvbaton-prefill-0" in pool.workers:
+                    break
+                await asyncio.sleep(0.1)
+            assert pool.workers["kvbaton-prefill-0"].pid not in (None, pid) and router.is_alive
+            outs.append(await generate(router, "again", prompts[2]))
             return outs, roles
         finally:
             await router.shutdown()
@@ -365,5 +376,5 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
     finally:
         launcher.cpus_per_worker = None
     assert roles == {"kvbaton-prefill-0": "prefill", "kvbaton-decode-0": "decode"}
-    assert outs == hf_greedy(model, prompts, 12)
+    assert outs == hf_greedy(model, prompts + prompts[2:], 12)
     assert live_groups() == {} and launcher.list_workers() == []

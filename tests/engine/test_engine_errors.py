@@ -29,6 +29,10 @@ def llm(tiny_models):
     ({"nothing": 1}, GREEDY, "prompt dict needs"),
     (3.5, GREEDY, "prompt must be a string"),
     ({"prompt_token_ids": [1, 2]}, SamplingParams(logprobs=21), "logprobs must be <= 20"),
+    # the request that took the engine down: a stop id past the vocabulary, banned before min_tokens
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(min_tokens=1, stop_token_ids=[10**8]), "stop_token_ids must be"),
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=list(range(1025))), "at most 1024 stop_token_ids"),
+    ({"prompt_token_ids": [1, True]}, GREEDY, "prompt_token_ids must be integers"),
 ])
 def test_bad_prompt_is_refused_and_changes_nothing(llm, prompt, params, message):
     with pytest.raises(InvalidRequestError, match=message):
@@ -38,10 +42,17 @@ def test_bad_prompt_is_refused_and_changes_nothing(llm, prompt, params, message)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"temperature": -0.5}, "temperature must be 0"),
+    ({"temperature": 1e-39}, "temperature must be 0 \\(greedy\\) or >= 0.01"),
+    ({"temperature": float("nan")}, "temperature must be"),
+    ({"seed": 2**64}, "seed must fit"),
+    ({"max_tokens": 2**40}, "max_tokens must be in"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens \\(9\\) must not exceed"),
+    ({"top_k": 2**40}, "top_k"),
+    ({"cache_salt": ""}, "cache_salt must be"),
     ({"top_p": 0.0}, "top_p must be in"),
     ({"top_p": 1.01}, "top_p must be in"),
-    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_tokens": 0}, "max_tokens must be in"),
     ({"top_k": -3}, "top_k"),
     ({"n": 2}, "n: only n=1"),
 ])
@@ -74,6 +85,74 @@ def test_bad_request_in_a_running_batch_harms_no_one(llm):
     assert "aborted" not in done
     engine.check_integrity()
     assert engine.kv_cache.pool.usage() == 0.0
+
+
+def test_priority_beyond_int64_is_refused(llm):
+    with pytest.raises(InvalidRequestError, match="priority must fit") as info:
+        llm.engine.add_request("p", {"prompt_token_ids": [1, 2]}, GREEDY, priority=-(2**63) - 1)
+    assert info.value.param == "priority" and not llm.engine.has_unfinished_requests()
+
+
+def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(llm):
+    """A fault inside the model (here raised by a forward hook on the final norm, as a kernel error
+    would be) ends the requests of that batch, frees their blocks, and the next request runs as if
+    nothing happened. Three failed steps in a row mean the engine is broken: the error propagates (a
+    worker then exits and is replaced)."""
+    engine = llm.engine
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    clean = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+    fault = {"on": False}
+
+    def raise_when_on(module, args):
+        if fault["on"]:
+            raise RuntimeError("injected kernel fault")
+
+    hook = engine.core.runner.model.norm.register_forward_pre_hook(raise_when_on)
+    try:
+        for i, p in enumerate(prompts):
+            engine.add_request(f"victim-{i}", {"prompt_token_ids": p}, GREEDY)
+        engine.step()  # both prefilled
+        fault["on"] = True
+        failed = engine.step()
+        assert sorted((o.request_id, o.outputs[0].finish_reason) for o in failed) == [
+            ("victim-0", "abort"), ("victim-1", "abort")]
+        assert not engine.has_unfinished_requests()
+        engine.check_integrity()
+        assert engine.kv_cache.pool.usage() == 0.0
+        fault["on"] = False
+        again = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)]
+        assert again == clean
+
+        fault["on"] = True
+        for i in range(2):
+            engine.add_request(f"doomed-{i}", {"prompt_token_ids": prompts[0]}, GREEDY)
+            assert [o.request_id for o in engine.step()] == [f"doomed-{i}"]
+        engine.add_request("doomed-2", {"prompt_token_ids": prompts[0]}, GREEDY)
+        with pytest.raises(RuntimeError, match="injected kernel fault"):
+            engine.step()
+    finally:
+        hook.remove()
+        engine.abort_request("doomed-2")
+    engine.check_integrity()
+    assert engine.kv_cache.pool.usage() == 0.0
+
+
+def test_cache_salt_separates_prefix_caches(llm):
+    """Requests with different `cache_salt`s never share a block; equal salts (and no salt) do."""
+    engine = llm.engine
+    prompt = {"prompt_token_ids": list(range(3, 23))}  # 5 full blocks of 4
+
+    def cached_tokens(salt: str | None) -> tuple[int, list[int]]:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4, cache_salt=salt))[0]
+        return out.metrics.num_cached_tokens, out.outputs[0].token_ids
+
+    first, tokens = cached_tokens("tenant-a")
+    assert first == 0
+    assert cached_tokens("tenant-a") == (16, tokens)  # the last prompt token is always computed
+    assert cached_tokens("tenant-b") == (0, tokens)
+    assert cached_tokens(None) == (0, tokens)
+    assert cached_tokens(None) == (16, tokens)
+    engine.check_integrity()
 
 
 def test_generate_validates_all_prompts_before_running_any(llm):

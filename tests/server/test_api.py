@@ -117,7 +117,10 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(default_server, cl
 def test_client_disconnect_mid_stream_frees_blocks(default_server):
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{default_server}/v1/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
+        # NOTE: keep the line iterator referenced: once it is garbage, httpx closes the connection, the
+        # server sees the client leave, and the request is aborted before the check below can see it run.
+        lines = r.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 break  # streaming has begun; 2000 tokens leave tens of seconds before it could finish
         # /stats is the workers' last heartbeat, so it may lag the first token by an interval.

@@ -67,5 +67,5 @@ def test_engine_core_death_is_reported_not_hung(default_model_dir):
                 return await task
 
         r = asyncio.run(run())
-        assert r.status_code == 500 and "engine core exited" in r.json()["error"]["message"]
+        assert r.status_code == 503 and "engine core exited" in r.json()["error"]["message"]
         assert httpx.get(f"{base}/health").status_code == 503

@@ -67,6 +67,7 @@ class ConnectorConfig:
     redis_url: str | None = None  # redis://host:port/db (redis transport)
     redis_ttl_s: int = 60  # keys expire so nothing outlives its use
     worker_name: str = "kvbaton-worker"  # for logs, shm segment names
+    allow_insecure_transport: bool = False  # mooncake: start its unauthenticated data plane off loopback
 
 
 @dataclass(frozen=True)

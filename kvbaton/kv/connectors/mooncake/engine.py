@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 
 from kvbaton.kv.pools import KVPools
@@ -18,10 +19,32 @@ def protocol() -> str:
     return value
 
 
-class Engine:
-    """A Mooncake engine with every layer's pool registered (remote peers may access only those)."""
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
-    def __init__(self, host: str, pools: KVPools) -> None:
+
+def check_data_plane(host: str, allow_insecure: bool) -> None:
+    """ValueError unless the data plane stays on loopback or the operator allowed it explicitly."""
+    if not (allow_insecure or is_loopback(host)):
+        raise ValueError(
+            f"refusing to start the mooncake KV transport on {host}: its data plane is unauthenticated (any host "
+            "that reaches its port can read or overwrite the registered KV pools, and it listens on every "
+            "interface). On a private, trusted cluster network pass --allow-insecure-kv-transport "
+            "(ConnectorSpec.allow_insecure_transport); otherwise use --kv-transport tcp, whose data is signed")
+
+
+class Engine:
+    """A Mooncake engine with every layer's pool registered (remote peers may access only those).
+    Off loopback only with `allow_insecure` (see `check_data_plane`)."""
+
+    def __init__(self, host: str, pools: KVPools, allow_insecure: bool = False) -> None:
+        check_data_plane(host, allow_insecure)
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines go to stderr per engine
         try:
             from mooncake.engine import TransferEngine

@@ -37,7 +37,7 @@ class _Incoming:
 class Receiver(KVReceiver):
     def __init__(self, config: ConnectorConfig, pools: KVPools) -> None:
         super().__init__(config, pools)
-        self._engine = Engine(config.host, pools)
+        self._engine = Engine(config.host, pools, config.allow_insecure_transport)
         self._codec = SignedCodec(config.secret, ToReceiver, MAX_FRAME_BYTES)
         self._inbox: queue.SimpleQueue[tuple[bytes, ToReceiver]] = queue.SimpleQueue()  # (peer, message)
         self._expected: dict[str, _Incoming] = {}

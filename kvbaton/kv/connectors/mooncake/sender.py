@@ -28,7 +28,7 @@ class _Outgoing:
 class Sender(KVSender):
     def __init__(self, config: ConnectorConfig, pools: KVPools) -> None:
         super().__init__(config, pools)
-        self._engine = Engine(config.host, pools)
+        self._engine = Engine(config.host, pools, config.allow_insecure_transport)
         self._codec = SignedCodec(config.secret, ToSender, MAX_FRAME_BYTES)
         self._inbox: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
         self._transfers: dict[str, _Outgoing] = {}

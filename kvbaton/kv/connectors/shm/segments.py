@@ -66,8 +66,14 @@ class Segment:
         """Map someone else's segment read-only (and untracked: its creator owns the name)."""
         if not _NAME_OK.fullmatch(name):
             raise ValueError(f"refusing shared memory segment name {name!r}")
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+        # NOTE: O_NOFOLLOW: a symlink planted under our name in the world-writable /dev/shm is refused
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
         try:
+            owner = os.fstat(fd).st_uid
+            if owner != os.getuid():
+                # Another user's segment of our name would feed this worker KV of their choosing.
+                raise PermissionError(f"refusing shared memory segment {name!r}: owned by uid {owner}, "
+                                      f"not this process's uid {os.getuid()}")
             # NOTE: prot, not access=ACCESS_READ, so a PROT_READ mapping still exposes a buffer numpy
             # can take an address from; nothing here writes through it
             mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)

@@ -1,0 +1,124 @@
+"""What the server lets in: request bodies of bounded size, and the admin routes only for those meant to use them.
+
+Admin routes (`/admin/*`, and `/workers`, which shows PIDs and addresses):
+
+    bound to        admin key set        no admin key
+    loopback        Bearer ADMIN_KEY     open (or Bearer API_KEY when --api-key is set, as before)
+    other address   Bearer ADMIN_KEY     disabled (403 saying how to enable them)
+
+Bound to loopback, the Host header must also name loopback (a DNS-rebinding page sends its own
+name), and a browser's Origin, when sent, must be the Host itself (a cross-site form POST cannot
+set a header, but its Origin gives it away).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvbaton.server.errors import HttpError
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+ADMIN_PATHS = ("/admin", "/workers")
+
+
+def is_loopback(host: str) -> bool:
+    host = host.strip("[]").lower()
+    if host in LOOPBACK_NAMES or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_matches(headers: Headers, key: str) -> bool:
+    return hmac.compare_digest(headers.get("authorization", "").encode(), f"Bearer {key}".encode())
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdminAccess:
+    bind_host: str
+    admin_api_key: str | None = None
+    api_key: str | None = None  # guards the admin routes only when bound to loopback without an admin key
+
+    def refusal(self, headers: Headers) -> HttpError | None:
+        """Why this request may not use an admin route, or None."""
+        loopback = is_loopback(self.bind_host)
+        if not loopback and not self.admin_api_key:
+            return HttpError(403, f"the admin routes and /workers are disabled: this server listens on "
+                                  f"{self.bind_host}, beyond loopback, without an admin key; restart it with "
+                                  f"--admin-api-key KEY (or $KVBATON_ADMIN_API_KEY) to enable them",
+                             "PermissionDeniedError")
+        host = headers.get("host", "")
+        if loopback and not is_loopback(urlsplit(f"//{host}").hostname or ""):
+            return HttpError(403, f"admin requests must name this server by a loopback name, not Host {host[:80]!r}",
+                             "PermissionDeniedError")
+        origin = headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc.lower() != host.lower():
+            return HttpError(403, f"cross-origin admin requests are refused (Origin {origin[:80]!r})",
+                             "PermissionDeniedError")
+        key = self.admin_api_key or (self.api_key if loopback else None)
+        if key and not bearer_matches(headers, key):
+            return HttpError(401, "invalid or missing admin API key", "AuthenticationError")
+        return None
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 as soon as it is known to be:
+    up front from Content-Length, else while it is read (the rest is never read). The app gets the
+    body already read, so nothing downstream buffers more than the limit."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(scope, send)
+            return
+        chunks, size, last = [], 0, None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: let the app see it
+                last = message
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(scope, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(b"".join(chunks), last, receive), send)
+
+    async def _too_large(self, scope: Scope, send: Send) -> None:
+        error = HttpError(413, f"request body exceeds {self.max_bytes} bytes (--max-request-bytes)",
+                          "RequestTooLargeError")
+        await error.response(headers={"Connection": "close"})(scope, _no_receive, send)
+
+
+def _replay(body: bytes, last: Message | None, receive: Receive) -> Receive:
+    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
+    if last is not None:
+        pending.append(last)
+
+    async def replayed() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replayed
+
+
+async def _no_receive() -> dict[str, Any]:
+    return {"type": "http.disconnect"}

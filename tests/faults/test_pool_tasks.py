@@ -1,0 +1,50 @@
+"""The pool's own tasks never die silently: when its event loop stops (here: its socket closed
+under it, a real fault, no mock), the pool goes down for good with the reason (`is_alive` false,
+`dead_reason` set), the request in flight ends with an explicit EngineDeadError instead of
+hanging, new requests are refused, and the workers are fenced (no process left behind)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import pid_alive
+from pd_harness import collect, router_over, run, tiny_prompts
+
+from kvbaton.engine.errors import EngineDeadError
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_dead_event_loop_takes_the_pool_down_loudly(tiny_llama):
+    prompt = tiny_prompts(41, [12])[0]
+
+    async def scenario() -> tuple[BaseException | list[int], bool, str | None, BaseException | None, int]:
+        async with router_over(tiny_llama, prefill=0, decode=1) as router:
+            pid = router.pool.workers["kvbaton-both-0"].pid
+
+            async def break_the_pool(request_id: str, n: int) -> None:
+                if n == 3:
+                    router.pool._events.close(linger=0)  # the event loop's recv fails under it
+
+            try:
+                streamed: BaseException | list[int] = await asyncio.wait_for(
+                    collect(router, "r0", prompt, 200, break_the_pool), 30)
+            except EngineDeadError as exc:
+                streamed = exc
+            for _ in range(100):  # the fence is asynchronous (bounded wait)
+                if not pid_alive(pid):
+                    break
+                await asyncio.sleep(0.05)
+            refused = None
+            try:
+                await collect(router, "r1", prompt, 4)
+            except EngineDeadError as exc:
+                refused = exc
+            return streamed, router.is_alive, router.dead_reason, refused, pid
+
+    streamed, alive, reason, refused, pid = run(scenario())
+    assert isinstance(streamed, EngineDeadError) and "event loop" in str(streamed)
+    assert not alive and reason is not None and "internal error" in reason and "event loop" in reason
+    assert isinstance(refused, EngineDeadError)
+    assert not pid_alive(pid)
