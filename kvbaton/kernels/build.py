@@ -36,7 +36,11 @@ SIGNATURES = {
     "kvbaton_copy_rows": (None, [_p, _p, _p, _p, _i64, _i64, _i]),
 }
 
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# NOTE: linked without -ffast-math: with it, GCC (12 and older) links crtfastmath.o into the library, whose
+# constructor turns on flush-to-zero / denormals-are-zero for the whole process as soon as it is loaded:
+# every float parsed there after (a request's top_p of 5e-324 read as 0.0) and torch's own arithmetic.
+LDFLAGS = ("-fopenmp", "-shared")
 
 
 def _cpu_fingerprint() -> str:
@@ -56,7 +60,11 @@ def _build(out: Path, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, "-o", tmp, *srcs, "-lm"], check=True, capture_output=True, text=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+            objs = [str(Path(objdir) / f"{Path(src).stem}.o") for src in srcs]
+            for src, obj in zip(srcs, objs):
+                subprocess.run([compiler, *CFLAGS, "-c", "-o", obj, src], check=True, capture_output=True, text=True)
+            subprocess.run([compiler, *LDFLAGS, "-o", tmp, *objs, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -74,7 +82,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for s in (*SOURCES, *HEADERS):
         digest.update(Path(__file__).with_name(s).read_bytes())
-    digest.update(" ".join(CFLAGS).encode() + compiler.encode() + _cpu_fingerprint().encode())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode() + compiler.encode() + _cpu_fingerprint().encode())
     out = kernels_dir() / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
     try:
         if not out.exists():

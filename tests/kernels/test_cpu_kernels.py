@@ -227,3 +227,16 @@ def test_copy_rows_scatters_whole_rows():
     expected = torch.zeros(40, 96)
     expected[torch.from_numpy(dst_rows)] = src[torch.from_numpy(src_rows)]
     assert torch.equal(dst, expected)
+
+
+def test_loading_the_kernels_leaves_the_process_float_mode_alone():
+    """Built with -ffast-math but linked without it: GCC's crtfastmath.o would otherwise turn on
+    flush-to-zero for the whole process on load (a request's top_p of 5e-324 was read as 0.0)."""
+    import subprocess
+    import sys
+
+    code = ("from kvbaton.kernels.build import cpu_kernels; import sys; "
+            "sys.exit(2 if cpu_kernels() is None else (0 if float('5e-324') != 0.0 else 1))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 1, "loading the kernels turned on flush-to-zero for the process"
+    assert result.returncode == 0, result.stderr
