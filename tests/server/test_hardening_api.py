@@ -125,6 +125,22 @@ def test_after_the_hostile_table_a_valid_request_is_answered_and_the_server_idle
     _wait_idle(default_server)
 
 
+def test_hostile_table_against_pd_serving_harms_no_worker(default_model_dir):
+    """The same table against `--prefill 1 --decode 2` (every prompt through the prefill worker):
+    every request a 4xx, no worker lost or replaced, and a valid request answered after."""
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "2",
+                        "--local-prefill-threshold", "0") as (base, _):
+        pids = {w["name"]: w["pid"] for w in httpx.get(f"{base}/workers", timeout=10).json()["workers"]}
+        for path, body, param in HOSTILE:
+            r = _post(base, path, body)
+            assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, r.text[:500]
+        ok = _post(base, C, {"model": MODEL, "prompt": "Hello there, how", "max_tokens": 3, "temperature": 0})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
+        _wait_idle(base)
+        workers = httpx.get(f"{base}/workers", timeout=10).json()["workers"]
+        assert {w["name"]: w["pid"] for w in workers} == pids and all(w["healthy"] for w in workers)
+
+
 def _raw_http(base: str, head: bytes, chunks: list[bytes] = ()) -> tuple[str, float]:
     """Send `head`, then `chunks` for as long as the server reads them; the response and seconds taken."""
     host, port = base.removeprefix("http://").rsplit(":", 1)
