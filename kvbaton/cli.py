@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--allow-insecure-kv-transport", action="store_true",
                     help="let --kv-transport mooncake listen off loopback: its data plane is unauthenticated "
                          "(any host that reaches it can read or write the KV pools); private networks only")
+    pd.add_argument("--encrypt-traffic", action="store_true",
+                    help="encrypt router<->worker control traffic and the tcp/shm/mooncake KV transports' ZeroMQ "
+                         "sockets with ZeroMQ CURVE (keys derived from the cluster secret); redis, shared-memory "
+                         "and mooncake KV data stay in clear")
     pd.add_argument("--redis-url", default=None, help="for --kv-transport redis (default: start a local redis-server)")
     pd.add_argument("--routing", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_aware"])
     pd.add_argument("--local-prefill-threshold", type=int, default=64,
@@ -157,6 +161,7 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                           transfer_deadline_s=args.transfer_timeout, request_timeout_s=args.request_timeout)
     return DeploymentSpec(num_prefill=args.prefill, num_decode=max(args.decode, 1), kv_transport=args.kv_transport,
                           allow_insecure_kv_transport=args.allow_insecure_kv_transport,
+                          encrypt_traffic=args.encrypt_traffic,
                           redis_url=args.redis_url, backend=Backend(args.backend), ray_address=args.address,
                           router=router, pool=PoolConfig(dead_after_s=args.worker_dead_after,
                                                          restart=RestartPolicy(max_restarts=args.max_worker_restarts)))

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbaton.config import EngineConfig
+from kvbaton.config import ConfigError, EngineConfig
 from kvbaton.disagg.launcher import Launcher
 from kvbaton.disagg.policies import POLICIES
 from kvbaton.disagg.router import Router, RouterConfig
@@ -20,7 +20,7 @@ from kvbaton.disagg.spec import ConnectorSpec
 from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.connectors.base import TRANSPORTS
-from kvbaton.wire import cluster_secret
+from kvbaton.wire import CurveUnavailable, cluster_secret, require_curve
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class DeploymentSpec:
     router: RouterConfig = field(default_factory=RouterConfig)
     pool: PoolConfig = field(default_factory=PoolConfig)
     log_dir: Path | None = None  # local backend: one log file per worker (None: this process's stderr)
+    encrypt_traffic: bool = False  # ZeroMQ CURVE on router <-> worker control and the tcp/shm/mooncake KV sockets
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -51,6 +52,11 @@ class DeploymentSpec:
         for policy in (self.router.prefill_policy, self.router.decode_policy):
             if policy not in POLICIES:
                 raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.encrypt_traffic:
+            try:
+                require_curve()
+            except CurveUnavailable as exc:
+                raise ConfigError(str(exc)) from None
 
 
 @dataclass
@@ -107,7 +113,8 @@ async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpe
         # NOTE: the KV receiver binds loopback unless told otherwise; a Ray actor rebinds it to its node
         connector = ConnectorSpec(transport=spec.kv_transport, redis_url=redis_url,
                                   allow_insecure_transport=spec.allow_insecure_kv_transport)
-        pool = WorkerPool(engine, launcher, secret, spec.pool, connector, host=host)
+        pool = WorkerPool(engine, launcher, secret, spec.pool, connector, host=host,
+                          encrypt_traffic=spec.encrypt_traffic)
         router = Router(pool, tokenizer, spec.router)
         await router.start(spec.num_prefill, spec.num_decode)
     except BaseException:

@@ -11,13 +11,14 @@ import zmq
 
 from kvbaton.disagg.messages import Heartbeat, WorkerLoad
 from kvbaton.disagg.spec import ROUTER_NAME
-from kvbaton.wire import SequencedCodec
+from kvbaton.wire import CurveKeys, SequencedCodec, curve_client
 
 
 class HeartbeatThread:
     def __init__(self, name: str, router: str, interval_s: float, codec: SequencedCodec, ctx: zmq.Context,
-                 load: Callable[[], WorkerLoad]) -> None:
+                 load: Callable[[], WorkerLoad], curve: CurveKeys | None = None) -> None:
         self.name, self.router, self.interval_s, self._ctx, self._load = name, router, interval_s, ctx, load
+        self._curve = curve
         # NOTE: its own codec (a stream of the worker's session, numbered on its own: it travels its own
         # connection) and socket: neither encoders nor ZeroMQ sockets are shared across threads.
         self._codec = codec
@@ -35,6 +36,7 @@ class HeartbeatThread:
     def _run(self) -> None:
         sock = self._ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 0)
+        curve_client(sock, self._curve)
         sock.connect(self.router)
         try:
             while not self._stop.wait(self.interval_s):

@@ -43,6 +43,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 0.5
     # the router's session nonce (hex): the worker takes commands only from it, addresses its events to it
     router_session: str = ""
+    # CURVE on the worker's ZeroMQ sockets: control (commands, events, heartbeat) and its KV transport's
+    encrypt_traffic: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, WorkerRole):

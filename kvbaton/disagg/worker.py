@@ -7,7 +7,8 @@ every user, and a spec can hold credentials (a Redis URL with its password).
 
 Sockets: a PULL socket bound on the address it was given (port chosen by the OS) for commands,
 and a PUSH socket to the router for events. Every frame is signed (`kvbaton.wire`); a frame that
-fails verification is logged and dropped and the worker goes on.
+fails verification is logged and dropped and the worker goes on. With `spec.encrypt_traffic` these
+sockets (and the heartbeat's) are CURVE-encrypted besides (`kvbaton.wire.curve`).
 
 The loop: take every pending command, move KV hand-offs along, run one engine step if anything
 is runnable, push its outputs. The engine owns its KV connector (`EngineCore(kv_transfer=...)`);
@@ -61,9 +62,14 @@ from kvbaton.wire import (
     SECRET_ENV,
     SESSION_BYTES,
     ChannelError,
+    CurveUnavailable,
     MalformedMessage,
     Peer,
     SequencedCodec,
+    curve_client,
+    curve_keys,
+    curve_server,
+    require_curve,
 )
 
 logger = logging.getLogger("kvbaton.worker")
@@ -75,12 +81,15 @@ class Worker:
     def __init__(self, spec: WorkerSpec, secret: bytes, core: EngineCore, ctx: zmq.Context,
                  exit_with_parent: bool = False) -> None:
         self.spec, self.core, self.name, self.role = spec, core, spec.name, role_of(spec.role)
+        curve = curve_keys(secret, spec.encrypt_traffic)
         self.commands = ctx.socket(zmq.PULL)
         self.commands.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME_BYTES)
+        curve_server(self.commands, curve)
         port = self.commands.bind_to_random_port(f"tcp://{spec.host}")
         self.address = f"tcp://{spec.host}:{port}"
         self.events = ctx.socket(zmq.PUSH)
         self.events.setsockopt(zmq.LINGER, 1000)
+        curve_client(self.events, curve)
         self.events.connect(spec.router)
         # NOTE: a fresh session per process: frames captured from an earlier worker of this name are
         # addressed to another session; commands are taken only from the router session in the spec.
@@ -92,7 +101,7 @@ class Worker:
         self._load_seq = 0
         self.last_load = self._load()  # what the heartbeat thread reports; replaced, never mutated
         self._heartbeat = HeartbeatThread(self.name, spec.router, spec.heartbeat_s, self.codec.for_stream(1), ctx,
-                                          lambda: self.last_load)
+                                          lambda: self.last_load, curve)
         self._handlers: dict[type, Callable[[Any], None]] = {
             AddRequest: self._add, AbortRequests: self._abort, Drain: self._drain, Shutdown: self._shutdown,
             CheckIntegrity: self._check_integrity, **self.role.commands(self),
@@ -268,6 +277,11 @@ def main(argv: list[str] | None = None) -> None:
     secret = os.environ.get(SECRET_ENV, "").encode()
     if not secret:
         parser.exit(2, f"kvbaton worker: {SECRET_ENV} is not set (the launcher passes the cluster secret)\n")
+    if spec.encrypt_traffic:
+        try:
+            require_curve()  # before the model loads
+        except CurveUnavailable as exc:
+            parser.exit(2, f"kvbaton worker: {exc}\n")
     run_worker(spec, secret, args.exit_with_parent)
 
 

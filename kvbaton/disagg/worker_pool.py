@@ -39,7 +39,7 @@ from kvbaton.disagg.supervision import RestartPolicy, SlotState, Supervisor, Tas
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.info import EngineInfo, EngineStats
 from kvbaton.kv.layout import KVLayout
-from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec, curve_client, curve_keys, curve_server
 
 logger = logging.getLogger(__name__)
 StatsListener = Callable[[EngineStats], None]
@@ -118,9 +118,12 @@ class PoolListener(Protocol):
 
 class WorkerPool:
     def __init__(self, engine: EngineConfig, launcher: Launcher, secret: bytes, config: PoolConfig = PoolConfig(),
-                 connector: ConnectorSpec | None = None, host: str = "127.0.0.1") -> None:
+                 connector: ConnectorSpec | None = None, host: str = "127.0.0.1",
+                 encrypt_traffic: bool = False) -> None:
         self.engine_config, self.launcher, self.config, self.host = engine, launcher, config, host
         self.connector = connector or ConnectorSpec()
+        self.encrypt_traffic = encrypt_traffic  # CURVE on every control socket, ours and the workers'
+        self._curve = curve_keys(secret, encrypt_traffic)
         self.listener: PoolListener | None = None
         self.workers: dict[str, WorkerHandle] = {}
         self.info: EngineInfo | None = None
@@ -147,6 +150,7 @@ class WorkerPool:
         there is no prefill pool) and wait until every one has said hello."""
         self._events = self._ctx.socket(zmq.PULL)
         self._events.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_FRAME_BYTES)
+        curve_server(self._events, self._curve)
         port = self._events.bind_to_random_port(f"tcp://{self.host}")
         self.address = f"tcp://{self.host}:{port}"
         self._guard.spawn(self._event_loop(), "event loop", forever=True)
@@ -160,7 +164,8 @@ class WorkerPool:
         """Start one more worker in `role`; it joins the pool when it says hello."""
         spec = WorkerSpec(role=role, index=self._next_index[role], engine=self.engine_config, router=self.address,
                           router_session=self._codec.me.session.hex(),
-                          host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s)
+                          host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s,
+                          encrypt_traffic=self.encrypt_traffic)
         self._next_index[role] += 1
         # NOTE: off the event loop: a Ray launch waits for its placement group.
         await asyncio.to_thread(self.launcher.launch, spec)
@@ -305,6 +310,7 @@ class WorkerPool:
         """A hello the codec admitted: a session it never saw (a worker started, or restarted under its name)."""
         socket = self._ctx.socket(zmq.PUSH)
         socket.setsockopt(zmq.LINGER, 0)
+        curve_client(socket, self._curve)
         socket.connect(msg.address)
         self.workers[msg.name] = WorkerHandle(name=msg.name, role=msg.role, index=msg.index, pid=msg.pid,
                                               address=msg.address, info=msg.info, layout=msg.layout,

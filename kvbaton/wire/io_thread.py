@@ -16,6 +16,8 @@ from typing import Any
 
 import zmq
 
+from kvbaton.wire.curve import CurveKeys, curve_client, curve_server
+
 logger = logging.getLogger(__name__)
 
 PEER_LINGER_MS = 200  # unsent messages to a peer are kept this long on close, then dropped
@@ -24,10 +26,11 @@ PEER_LINGER_MS = 200  # unsent messages to a peer are kept this long on close, t
 class IOThread:
     """The one thread that touches a connector's sockets (ZeroMQ sockets are not thread-safe).
     Bound sockets are made before `start()`, peers on the I/O thread; other threads hand it work
-    with `call(fn)`."""
+    with `call(fn)`. With `curve` keys, its tcp sockets (bound and peers) are CURVE-encrypted."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, curve: CurveKeys | None = None) -> None:
         self.ctx = zmq.Context()
+        self.curve = curve
         self._calls: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         wake = f"inproc://wake-{id(self)}"
         self._wake_rx = self.ctx.socket(zmq.PULL)
@@ -54,6 +57,7 @@ class IOThread:
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.MAXMSGSIZE, max_msg_bytes)  # libzmq drops a peer that sends a bigger frame
         sock.setsockopt(zmq.LINGER, 0)
+        curve_server(sock, self.curve)
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
             host = f"[{host}]"
@@ -89,6 +93,7 @@ class IOThread:
             sock.setsockopt(zmq.LINGER, PEER_LINGER_MS)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            curve_client(sock, self.curve)
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError:

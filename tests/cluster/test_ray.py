@@ -250,10 +250,17 @@ print("RESULT", json.dumps({"address": address, "host": host, "node_ip": nodes, 
 """
 
 
+def ray_client_env(mode: str | None = None, **auth: str) -> dict[str, str]:
+    """This environment with only the given RAY_AUTH_* settings (what a user's shell would set)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH_")}
+    return {**env, **({"RAY_AUTH_MODE": mode} if mode else {}), **{f"RAY_AUTH_{k}": v for k, v in auth.items()}}
+
+
 @pytest.mark.slow
 def test_another_process_joins_with_address_and_leaves_the_head_running(launcher):
+    env = ray_client_env("token", TOKEN_PATH=str(launcher.head.token_path))  # --address: the user's auth settings
     out = subprocess.run([sys.executable, "-c", JOIN_SCRIPT, launcher.gcs_address], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and lines, out.stderr[-3000:]
     result = json.loads(lines[0][7:])
@@ -261,6 +268,37 @@ def test_another_process_joins_with_address_and_leaves_the_head_running(launcher
                       "state": "CREATED", "head": True}
     assert launcher.head.proc.poll() is None  # joining never stops a head it did not start
     assert live_groups() == {}  # the joined driver's group went with it
+
+
+CLIENT_SCRIPT = """
+import sys
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR")
+print("RESULT", ray.get(ray.remote(lambda: ray.get_runtime_context().get_node_id()).remote(), timeout=30))
+"""
+
+
+@pytest.mark.slow
+def test_the_private_head_refuses_a_client_without_its_token(launcher):
+    token_path = launcher.head.token_path
+    assert token_path.stat().st_mode & 0o777 == 0o600 and len(token_path.read_text()) == 64
+    assert not {k for k in os.environ if k.startswith("RAY_AUTH_")}  # the driver's settings were scoped
+    for pid in session_pids(launcher.head.proc.pid):
+        assert token_path.read_bytes() not in cmdline(pid)
+
+    def client(env: dict[str, str]) -> subprocess.CompletedProcess:
+        env["RAY_gcs_server_port_wait_time_s"] = "2"  # how long a refused driver retries (Ray: 20 tries, ~1 s apart)
+        return subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, launcher.gcs_address], capture_output=True,
+                              text=True, timeout=60, env=env)
+
+    t0 = time.monotonic()
+    for env in (ray_client_env(), ray_client_env("token", TOKEN="0" * 64)):  # no token; a wrong one
+        out = client(env)
+        assert out.returncode != 0 and "InvalidAuthToken" in out.stderr, out.stderr[-3000:]
+        assert "RESULT" not in out.stdout
+    out = client(ray_client_env("token", TOKEN_PATH=str(token_path)))
+    assert out.returncode == 0 and "RESULT " in out.stdout, out.stderr[-3000:]
+    print(f"two refusals and one admission in {time.monotonic() - t0:.1f} s")
 
 
 # ---- real workers ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @contextlib.asynccontextmanager
 async def router_over(model_dir, prefill: int, decode: int, transport: str = "shm", block_size: int = 4,
-                      redis_url: str | None = None, log_dir=None, **router_kwargs):
+                      redis_url: str | None = None, log_dir=None, encrypt_traffic: bool = False, **router_kwargs):
     """A real router over real worker processes (tiny fp32 model), brought up by `deploy` as
     `kvbaton serve` does; everything stopped after. Keyword arguments go to the pool's or the
     router's config, by name."""
@@ -36,7 +36,7 @@ async def router_over(model_dir, prefill: int, decode: int, transport: str = "sh
     pool = PoolConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **pool_kwargs})
     config = RouterConfig(**{k: v for k, v in router_kwargs.items() if k not in POOL_FIELDS})
     spec = DeploymentSpec(num_prefill=prefill, num_decode=decode, kv_transport=transport, redis_url=redis_url,
-                          router=config, pool=pool, log_dir=log_dir)
+                          router=config, pool=pool, log_dir=log_dir, encrypt_traffic=encrypt_traffic)
     deployment = await deploy(engine, Tokenizer(model_dir), spec)
     try:
         yield deployment.router

@@ -171,6 +171,42 @@ def test_body_over_the_limit_is_refused_up_front_and_while_read(default_server):
     _wait_idle(default_server)
 
 
+def test_a_slow_client_holds_up_no_one_and_its_leaving_frees_everything(default_server):
+    """A client that reads its stream a trickle at a time (a 4 KiB receive window, 64 bytes per 50 ms)
+    does not slow another client's stream, which completes with the greedy text it gets alone; when
+    the slow one leaves mid-stream, its request is aborted and the server returns to idle."""
+    body = {"model": MODEL, "prompt": "Write a long story about a lighthouse keeper.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}
+    payload = json.dumps(body).encode()
+    host, port = default_server.removeprefix("http://").rsplit(":", 1)
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    slow.connect((host, int(port)))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    try:
+        assert slow.recv(64).startswith(b"HTTP/1.1 200")
+        fast = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 24, "temperature": 0}
+        alone = _post(default_server, C, fast).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(1) as pool:
+            reader = pool.submit(lambda: [(slow.recv(64), time.sleep(0.05)) for _ in range(60)])
+            gaps, last, text = [], None, ""
+            with httpx.stream("POST", f"{default_server}{C}", json={**fast, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.monotonic()
+                        gaps += [now - last] if last is not None else []
+                        last = now
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            reader.result(timeout=60)
+        assert text == alone
+        assert max(gaps) < 5.0, gaps  # a stalled writer for the slow client would freeze the loop for good
+        assert httpx.get(f"{default_server}/stats", timeout=10).json()["num_in_flight"] == 1  # the slow one
+    finally:
+        slow.close()
+    _wait_idle(default_server)
+
+
 def test_tokenizer_encodes_alike_from_many_threads(default_model_dir):
     """What the server's tokenization pool relies on: concurrent encodes (and decodes) of the HF fast
     tokenizer give exactly the serial results."""

@@ -5,6 +5,7 @@
     actor.py      WorkerHost: the actor that runs one rank's worker as its child process
     head.py       LocalHead: a private single-machine head, stopped by PID (never `ray stop`)
     loopback.py   keeping every Ray address on 127.0.0.1, and checking it
+    auth.py       the private head's Ray auth token: a 0600 file, read by the head and by us
 """
 
 from kvbaton.cluster.ray.actor import HostInfo, WorkerHost, bind_to_node

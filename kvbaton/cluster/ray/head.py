@@ -1,4 +1,4 @@
-"""A private single-machine Ray head, started and stopped by PID (never `ray stop`)."""
+"""A private single-machine Ray head, started and stopped by PID (never `ray stop`), with token auth."""
 
 from __future__ import annotations
 
@@ -12,19 +12,24 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvbaton.cluster.ray.auth import head_env, write_token
 from kvbaton.cluster.ray.loopback import SINGLE_MACHINE_ENV
 
 logger = logging.getLogger(__name__)
 
 
 class LocalHead:
-    """`ray start --head --block` as our child, in its own session: one machine, 127.0.0.1 only."""
+    """`ray start --head --block` as our child, in its own session: one machine, 127.0.0.1 only.
+
+    Token authentication is on, with a fresh token in `token_path` (0600, see `auth`), which goes
+    with the temp dir at `stop`; a client needs RAY_AUTH_MODE=token and that token to join."""
 
     def __init__(self, num_cpus: int, object_store_bytes: int) -> None:
         self.num_cpus, self.object_store_bytes = int(num_cpus), object_store_bytes
         # NOTE: short and under /tmp: Ray's unix socket paths live in here (108-byte limit).
         self.temp_dir = Path(tempfile.mkdtemp(prefix="kvbray-", dir="/tmp"))
         self.log_path = self.temp_dir / "head.log"
+        self.token_path = self.temp_dir / "auth_token"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float) -> str:
@@ -32,7 +37,7 @@ class LocalHead:
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port=0",
                f"--temp-dir={self.temp_dir}", "--include-dashboard=false", "--disable-usage-stats",
                f"--num-cpus={self.num_cpus}", "--num-gpus=0", f"--object-store-memory={self.object_store_bytes}"]
-        env = {**os.environ, SINGLE_MACHINE_ENV: "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        env = {**head_env(write_token(self.token_path)), SINGLE_MACHINE_ENV: "0", "RAY_USAGE_STATS_ENABLED": "0"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)

@@ -3,16 +3,19 @@
 Each worker gets its own placement group (see `placement`), and each of its ranks a `WorkerHost`
 actor in that group's bundle (see `actor`). Nothing is detached: if the launching process dies,
 Ray removes its actors and groups. Without `address`, `start` runs a private single-machine head
-(see `head`) with every Ray address on 127.0.0.1 (checked, see `loopback`).
+(see `head`) with every Ray address on 127.0.0.1 (checked, see `loopback`) and Ray's token
+authentication on (see `auth`); a joined cluster keeps its own auth settings (the user's RAY_AUTH_*).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -21,6 +24,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvbaton.cluster.ray.actor import WorkerHost, _Secret
+from kvbaton.cluster.ray.auth import driver_auth, forget_driver_auth
 from kvbaton.cluster.ray.head import LocalHead
 from kvbaton.cluster.ray.loopback import SavedClusterMode, check_loopback, is_loopback, pin_loopback
 from kvbaton.cluster.ray.placement import bundle_nodes, plan_groups, reserve_groups
@@ -104,7 +108,7 @@ class RayLauncher:
             if address is None:
                 self.head = LocalHead(self.num_cpus or os.cpu_count() or 1, self.object_store_bytes)
                 address = self.head.start(self.startup_timeout_s)
-            self._connect(address)
+            self._connect(address, self.head.token_path if self.head else None)
             if loopback:
                 check_loopback()
         except BaseException:
@@ -112,10 +116,12 @@ class RayLauncher:
             raise
         self.gcs_address = ray.get_runtime_context().gcs_address
 
-    def _connect(self, address: str) -> None:
+    def _connect(self, address: str, token_path: Path | None) -> None:
+        """Join as a driver; with `token_path` (our head's), authenticate with that token."""
         if ray.is_initialized():
             raise RuntimeError("this process is already connected to a Ray cluster")
-        ray.init(address=address, namespace=f"kvbaton-{secrets.token_hex(4)}", logging_level=logging.WARNING)
+        with driver_auth(token_path) if token_path else contextlib.nullcontext():
+            ray.init(address=address, namespace=f"kvbaton-{secrets.token_hex(4)}", logging_level=logging.WARNING)
         self._owns_connection = True
 
     # ---- workers -------------------------------------------------------------------------
@@ -226,6 +232,8 @@ class RayLauncher:
         if ray.is_initialized() and self._owns_connection:
             self.stop_all(timeout_s=0)
             ray.shutdown()
+            if self.head is not None:
+                forget_driver_auth()
         self._owns_connection, self.gcs_address = False, None
         if self.head is not None:
             self.head.stop()

@@ -44,7 +44,8 @@ class Role:
         c = spec.connector
         connector = ConnectorConfig(transport=c.transport, secret=secret, host=c.host, redis_url=c.redis_url,
                                     redis_ttl_s=c.redis_ttl_s, worker_name=spec.name,
-                                    allow_insecure_transport=c.allow_insecure_transport)
+                                    allow_insecure_transport=c.allow_insecure_transport,
+                                    encrypt_traffic=spec.encrypt_traffic)
         return KVTransferConfig(connector, send=self.sends_kv, receive=self.receives_kv)
 
     def commands(self, worker: WorkerContext) -> dict[type, Handler]:

@@ -68,6 +68,7 @@ class ConnectorConfig:
     redis_ttl_s: int = 60  # keys expire so nothing outlives its use
     worker_name: str = "kvbaton-worker"  # for logs, shm segment names
     allow_insecure_transport: bool = False  # mooncake: start its unauthenticated data plane off loopback
+    encrypt_traffic: bool = False  # CURVE on the transport's ZeroMQ sockets (`kvbaton.wire.curve`)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from kvbaton.kv.connectors.mooncake.engine import Engine
 from kvbaton.kv.layout import KVLayoutMismatch
 from kvbaton.kv.pools import KVPools
 from kvbaton.kv.rows import Run, contiguous_runs
-from kvbaton.wire import IOThread, SignedCodec
+from kvbaton.wire import IOThread, SignedCodec, curve_keys
 
 SEGMENTS_PER_POLL = 1024  # ~0.05-0.1 s of small scattered reads over TCP here; far less over RDMA
 MAX_SEGMENTS = 1024  # entries per Mooncake batch call (its TCP lanes refuse ~2k queued per peer)
@@ -43,7 +43,7 @@ class Receiver(KVReceiver):
         self._expected: dict[str, _Incoming] = {}
         self._memory: RequestMemory[tuple[bytes, ToReceiver]] = RequestMemory()  # before expect(), or ended
         self._pending: list[tuple[str, bytes, ToReceiver]] = []  # replayed by expect(), routed in poll()
-        self.io = IOThread(f"{config.worker_name}-kv-mooncake")
+        self.io = IOThread(f"{config.worker_name}-kv-mooncake", curve_keys(config.secret, config.encrypt_traffic))
         self._router = self.io.bind(config.host, MAX_FRAME_BYTES, self._on_frames, zmq.ROUTER)
         self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.io.start()

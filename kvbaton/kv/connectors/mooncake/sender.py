@@ -14,7 +14,7 @@ from kvbaton.kv.connectors.base import ConnectorConfig, KVSender, PollResult, Tr
 from kvbaton.kv.connectors.mooncake import MAX_FRAME_BYTES, Cancel, Done, Failed, LayerReady, Offer, ToSender
 from kvbaton.kv.connectors.mooncake.engine import Engine
 from kvbaton.kv.pools import KVPools
-from kvbaton.wire import IOThread, SignedCodec
+from kvbaton.wire import IOThread, SignedCodec, curve_keys
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Sender(KVSender):
         self._codec = SignedCodec(config.secret, ToSender, MAX_FRAME_BYTES)
         self._inbox: queue.SimpleQueue[Done | Failed] = queue.SimpleQueue()
         self._transfers: dict[str, _Outgoing] = {}
-        self.io = IOThread(f"{config.worker_name}-kv-mooncake")
+        self.io = IOThread(f"{config.worker_name}-kv-mooncake", curve_keys(config.secret, config.encrypt_traffic))
         self.io.start()
 
     def begin(self, spec: TransferSpec) -> None:

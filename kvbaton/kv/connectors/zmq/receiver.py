@@ -15,7 +15,7 @@ from kvbaton.kv.connectors.bookkeeping import RequestMemory
 from kvbaton.kv.connectors.zmq import NOT_EXPECTING, Ack, SenderFailed
 from kvbaton.kv.pools import KVPools
 from kvbaton.kv.rows import rows_within
-from kvbaton.wire import IOThread, SignedCodec
+from kvbaton.wire import IOThread, SignedCodec, curve_keys
 
 
 @dataclass
@@ -42,7 +42,7 @@ class ZmqReceiver(KVReceiver):
         self._expected: dict[str, Incoming] = {}
         self._inbox: collections.deque[tuple[Any, Any]] = collections.deque()
         self._nacked: RequestMemory[None] = RequestMemory()  # ended here: answered "not expecting"
-        self.io = IOThread(f"kv-{config.transport}-receiver")
+        self.io = IOThread(f"kv-{config.transport}-receiver", curve_keys(config.secret, config.encrypt_traffic))
         self.address = self.io.bind_pull(self.host, self.max_frame_bytes(), self._on_socket)
         self.io.start()
 

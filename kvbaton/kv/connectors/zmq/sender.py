@@ -16,7 +16,7 @@ from kvbaton.kv.connectors.base import ConnectorConfig, KVSender, PollResult, Tr
 from kvbaton.kv.connectors.zmq import Ack, SenderFailed
 from kvbaton.kv.layout import KVLayoutMismatch
 from kvbaton.kv.pools import KVPools
-from kvbaton.wire import IOThread, SignedCodec
+from kvbaton.wire import IOThread, SignedCodec, curve_keys
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class ZmqSender(KVSender):
         # (request_id, ok, reason, said by the receiver): acks, and failures of the I/O thread
         self._inbox: collections.deque[tuple[str, bool, str, bool]] = collections.deque()
         self._lock = threading.Lock()
-        self.io = IOThread(f"kv-{config.transport}-sender")
+        self.io = IOThread(f"kv-{config.transport}-sender", curve_keys(config.secret, config.encrypt_traffic))
         self.ack_address = self.io.bind_pull(self.host, 2**16, self._on_ack)
         self.io.start()
 
