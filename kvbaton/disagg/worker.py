@@ -142,15 +142,12 @@ class Worker:
             frame = self.commands.recv(copy=False)
             try:
                 received = self.codec.decode(frame.buffer)
-            except MalformedMessage as exc:
-                # NOTE: authentic but unreadable here (the router accepted a value this side refuses):
-                # fail its request now, or the client would wait for an answer that never comes
-                logger.warning("%s: refused a frame (%d bytes): %s", self.name, len(frame.buffer), exc)
-                if exc.request_id is not None:
-                    self.send(RequestFailed(self.name, exc.request_id, f"the worker could not read it: {exc}"))
-                continue
             except ChannelError as exc:
                 logger.warning("%s: refused a frame (%d bytes): %s", self.name, len(frame.buffer), exc)
+                if isinstance(exc, MalformedMessage) and exc.request_id is not None:
+                    # NOTE: authentic but unreadable here (the router accepted a value this side refuses):
+                    # fail its request now, or the client would wait for an answer that never comes
+                    self.send(RequestFailed(self.name, exc.request_id, f"the worker could not read it: {exc}"))
                 continue
             self._handle(received.msg)
 

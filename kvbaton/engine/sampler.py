@@ -20,13 +20,9 @@ class SamplingRow:
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
     """logits: [S, V] float32, one row per entry of `rows`."""
-    vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         if row.banned_token_ids:
-            # NOTE: ids past the vocabulary are refused at admission; skipped here too, so one can never
-            # raise inside a batch (an IndexError here once took the engine, and every request, down).
-            banned = [t for t in row.banned_token_ids if 0 <= t < vocab]
-            logits[i, banned] = float("-inf")
+            logits[i, list(row.banned_token_ids)] = float("-inf")
     tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
     for i, row in enumerate(rows):
         if not row.params.is_greedy:
@@ -48,8 +44,6 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         drop = (cumulative - sorted_logits.softmax(-1)) >= params.top_p
         scaled = scaled.scatter(0, order[drop], float("-inf"))
     probs = scaled.softmax(-1)
-    if not bool(torch.isfinite(probs).all()):  # cannot happen above MIN_TEMPERATURE; never raise mid-batch
-        return int(logits.argmax())
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 

@@ -17,7 +17,6 @@ SECRET = b"curve-test-secret-0123456789abcdef"
 OTHER_SECRET = b"another-cluster-secret-0123456789"
 MARKER = b"KVBATON-PLAINTEXT-MARKER:prompt_token_ids=[17, 4, 99]"
 
-pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="this libzmq has no CURVE")
 
 
 @pytest.fixture
