@@ -17,6 +17,7 @@ from kvbaton.config import CacheConfig, ConfigError, EngineConfig, SchedulerConf
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.models.registry import DEFAULT_MODEL
+from kvbaton.platform.compute import COMPUTE_PATHS
 
 if TYPE_CHECKING:
     import httpx
@@ -38,12 +39,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     p.add_argument("--no-kernels", action="store_true", help="PyTorch ops only, without kvbaton's C CPU kernels")
+    p.add_argument("--compute-path", default="auto", choices=COMPUTE_PATHS,
+                   help="which code computes each layer (default: chosen from this CPU's features; printed at start)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: greedy output independent of batching, chunking, threads and "
+                        "PD placement (slower prefill)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads,
-        compile=args.compile, kernels=not args.no_kernels,
+        compile=args.compile, kernels=not args.no_kernels, compute_path=args.compute_path,
+        deterministic=args.deterministic,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),

@@ -166,6 +166,8 @@ class EngineConfig:
     num_threads: int | None = None
     compile: bool = False
     kernels: bool = True  # kvbaton's C CPU kernels (built on first use); False: PyTorch ops only
+    compute_path: str = "auto"  # a row of kvbaton.platform.compute's table; auto: chosen by the CPU
+    deterministic: bool = False  # batch-invariant kernels: greedy output independent of batching
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -175,3 +177,8 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, not {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
+        if self.deterministic and self.compile:
+            raise ConfigError("--deterministic runs kvbaton's batch-invariant kernels; torch.compile would replace "
+                              "them: leave --compile off")
+        if not self.kernels and self.compute_path not in ("auto", "torch"):
+            raise ConfigError(f"compute path {self.compute_path!r} needs the C kernels, which kernels=False turns off")

@@ -101,3 +101,20 @@ def pid_alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
     return state != "Z"
+
+
+def deterministic_prompts(vocab: int, count: int, seed: int = 11) -> list[list[int]]:
+    """Random token ids of mixed lengths (5-150): distinct prompts, so no prefix cache hides a difference."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randrange(5, 150))] for _ in range(count)]
+
+
+def greedy(llm, max_tokens: int, prompts: list[list[int]]) -> list[list[int]]:
+    """An offline `LLM`'s greedy output token ids (ignore_eos), in the order of `prompts`."""
+    from kvbaton import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]

@@ -93,7 +93,7 @@ class WorkerHandle:
                 "address": self.address, "healthy": self.alive, "draining": self.draining,
                 "num_running": s.num_running, "num_waiting": s.num_waiting, "num_receiving": self.load.num_receiving,
                 "num_sending": self.load.num_sending, "kv_cache_usage": s.kv_cache_usage,
-                "in_flight": len(self.attempts)}
+                "in_flight": len(self.attempts), "compute_path": self.info.compute_path}
 
 
 class PoolListener(Protocol):

@@ -33,17 +33,15 @@ from kvbaton.engine.transfers import KVHandoff, Reservation
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import allocate_pools
-from kvbaton.layers.compute_paths import set_compute_paths
+from kvbaton.kernels import cpu_kernels
+from kvbaton.layers.compute_paths import apply_compute_plan
 from kvbaton.models.llama import LlamaForCausalLM
 from kvbaton.models.loader import load_model
-from kvbaton.platform.cpu import has_native_bf16
+from kvbaton.platform.compute import ComputePlan, choose_compute_plan
+from kvbaton.platform.cpu import detect_cpu
 
 logger = logging.getLogger(__name__)
 
-# NOTE: measured on a 2-core AVX2 EPYC: an (emulated) bf16 GEMM loses to fp32 from ~16 rows on.
-UPCAST_MIN_ROWS = 16
-# bf16 models up to this size also keep an fp32 copy of their weights for many-row steps.
-FP32_WEIGHT_COPY_MAX_BYTES = 2**30
 # A batch that raises fails its requests; this many in a row and the engine, not a request, is at fault.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 
@@ -77,12 +75,9 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype)
         limit = self.model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or limit, limit)
+        self.compute_plan = self._choose_compute_plan()
         model = load_model(model_dir, self.dtype, max_model_len)
-        if self.dtype == torch.bfloat16 and not has_native_bf16():
-            # NOTE: emulated bf16: many rows compute in fp32, a few rows stream bf16 weights in C.
-            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-            set_compute_paths(model, UPCAST_MIN_ROWS, config.kernels,
-                              keep_fp32_weights=weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES)
+        apply_compute_plan(model, self.compute_plan)
         block_size = config.cache.block_size
         self.kv_layout = model_kv_layout(self.model_config, block_size, self.dtype)
         num_blocks = config.cache.num_blocks or max(
@@ -91,7 +86,7 @@ class EngineCore:
                                num_blocks=num_blocks, block_size=block_size,
                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
-                               eos_token_ids=eos_token_ids)
+                               eos_token_ids=eos_token_ids, compute_path=self.compute_plan.summary())
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
         self.handoff, self.runner = self._build_runner(model, num_blocks, kv_transfer)
@@ -100,6 +95,14 @@ class EngineCore:
             from kvbaton.engine.compile import compile_model
 
             compile_model(self.runner)
+
+    def _choose_compute_plan(self) -> ComputePlan:
+        cpu = detect_cpu()
+        kernels = self.config.kernels and (self.config.compute_path == "torch" or cpu_kernels() is not None)
+        plan = choose_compute_plan(cpu, str(self.dtype).removeprefix("torch."), self.config.compute_path,
+                                   self.config.deterministic, kernels_available=kernels)
+        logger.info("compute path %s; CPU %s", plan.summary(), cpu.summary())
+        return plan
 
     def _build_runner(self, model: LlamaForCausalLM, num_blocks: int,
                       transfer: KVTransferConfig | None) -> tuple[KVHandoff, ModelRunner]:
@@ -110,7 +113,7 @@ class EngineCore:
         sender = make_sender(transfer.connector, pools) if transfer is not None and transfer.send else None
         receiver = make_receiver(transfer.connector, pools) if transfer is not None and transfer.receive else None
         runner = ModelRunner(model, pools, self.config.seed, self.info.eos_token_ids,
-                             use_kernels=self.config.kernels, kv_sender=sender)
+                             attention=self.compute_plan.attention, kv_sender=sender)
         return KVHandoff(self.scheduler, sender, receiver), runner
 
     # ---- requests ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     eos_token_ids: tuple[int, ...]
+    compute_path: str = ""  # the engine's ComputePlan, one line (kvbaton.platform.compute)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.kv.pools import KVPools, torch_dtype
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.models.llama import LlamaForCausalLM
+from kvbaton.platform.compute import AttentionCode
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:
@@ -34,7 +35,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, pools: KVPools, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
-                 use_kernels: bool = True, kv_sender: KVSender | None = None) -> None:
+                 attention: AttentionCode = "c", kv_sender: KVSender | None = None) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.pools = pools
@@ -43,8 +44,14 @@ class ModelRunner:
         self.block_size = layout.block_size
         self.dtype = dtype = torch_dtype(layout)
         shape = (model.config.num_attention_heads, layout.num_kv_heads, layout.head_dim)
-        self.decode_kernel = paged_decode_kernel(dtype, *shape) if use_kernels else None
-        self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if use_kernels else None
+        # c-per-token (deterministic): every token, prefill ones too, attends as a decode query over its
+        # unsplit context, so its sums never depend on the batch, the chunking or the thread count.
+        self.per_token_attention = attention == "c-per-token"
+        self.decode_kernel = (paged_decode_kernel(dtype, *shape, split_context=not self.per_token_attention)
+                              if attention != "torch" else None)
+        self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if attention == "c" else None  # c+sdpa: SDPA
+        if self.per_token_attention and self.decode_kernel is None:
+            raise ValueError(f"deterministic attention needs the C decode kernel, which does not take {shape}")
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
@@ -105,16 +112,35 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s.start_position, s.start_position + s.num_tokens) for s in ordered])
         slot_mapping = torch.cat([self._slots(s, s.start_position, s.start_position + s.num_tokens)
                                   for s in ordered])
-        decode_table, decode_lens, decode_mask = self._decode_context(decodes)
-        spans, offset = [], len(decodes)
-        for s in prefills:
-            spans.append(self._prefill_span(s, offset))
-            offset += s.num_tokens
         ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
         sample_rows = [i for i, s in enumerate(ordered) if s.sample]
-        meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_lens, decode_mask,
-                                 tuple(spans), self.decode_kernel, self.prefill_kernel)
+        if self.per_token_attention:
+            table, context_lens = self._per_token_context(ordered)
+            meta = AttentionMetadata(self.block_size, slot_mapping, len(input_ids), table, context_lens, None, (),
+                                     self.decode_kernel, None)
+        else:
+            decode_table, decode_lens, decode_mask = self._decode_context(decodes)
+            spans, offset = [], len(decodes)
+            for s in prefills:
+                spans.append(self._prefill_span(s, offset))
+                offset += s.num_tokens
+            meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_lens,
+                                     decode_mask, tuple(spans), self.decode_kernel, self.prefill_kernel)
         return StepInputs(input_ids, positions, meta, ends[sample_rows], [ordered[i] for i in sample_rows])
+
+    def _per_token_context(self, ordered: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token as a decode query: [T, nb] block table (its request's blocks) and [T] context
+        lengths (its position + 1: causal by construction)."""
+        context_lens = torch.cat([torch.arange(s.start_position + 1, s.start_position + s.num_tokens + 1)
+                                  for s in ordered])
+        max_blocks = max(self._num_blocks(s.start_position + s.num_tokens) for s in ordered)
+        table = torch.zeros(len(context_lens), max_blocks, dtype=torch.long)
+        row = 0
+        for s in ordered:
+            ids = self._block_table(s.block_ids[: self._num_blocks(s.start_position + s.num_tokens)])
+            table[row: row + s.num_tokens, : len(ids)] = ids
+            row += s.num_tokens
+        return table, context_lens
 
     def _block_table(self, block_ids: list[int]) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.long)

@@ -7,10 +7,18 @@ or do not handle the shapes; callers then use their PyTorch path.
 from kvbaton.kernels.attention import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kernels.build import cpu_kernels
 from kvbaton.kernels.copy import copy_rows_kernel
-from kvbaton.kernels.linear import MAX_LINEAR_ROWS, PackedLinear, SmallBatchLinear, pack_linear, small_batch_linear
+from kvbaton.kernels.linear import (
+    MAX_LINEAR_ROWS,
+    DotLinear,
+    PackedLinear,
+    SmallBatchLinear,
+    dot_linear,
+    pack_linear,
+    small_batch_linear,
+)
 from kvbaton.kernels.norm import AddRMSNorm, add_rms_norm_kernel
 
-__all__ = ["MAX_LINEAR_ROWS", "AddRMSNorm", "PackedLinear", "PagedDecodeKernel", "PagedPrefillKernel",
+__all__ = ["MAX_LINEAR_ROWS", "AddRMSNorm", "DotLinear", "PackedLinear", "PagedDecodeKernel", "PagedPrefillKernel",
            "SmallBatchLinear",
-           "add_rms_norm_kernel", "copy_rows_kernel", "cpu_kernels", "pack_linear", "paged_decode_kernel",
+           "add_rms_norm_kernel", "copy_rows_kernel", "cpu_kernels", "dot_linear", "pack_linear", "paged_decode_kernel",
            "paged_prefill_kernel", "small_batch_linear"]

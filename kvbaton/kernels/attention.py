@@ -27,9 +27,11 @@ def _in_fp32(q: torch.Tensor, kv_cache: torch.Tensor, what: str, run: Callable[[
 class PagedDecodeKernel:
     """`kvbaton_paged_decode_attention` with tensors in and out: one query token per request."""
 
-    def __init__(self, lib: ctypes.CDLL, num_threads: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, split_context: bool = True) -> None:
         self._fn = lib.kvbaton_paged_decode_attention
         self.num_threads = num_threads
+        # False: one partition per request, so its sums run in one order whatever the batch (deterministic mode)
+        self.split_context = split_context
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
@@ -40,11 +42,11 @@ class PagedDecodeKernel:
         return _in_fp32(q, kv_cache, "paged decode kernel", lambda q32, out: self._fn(
             kv_cache.data_ptr(), kv_cache.element_size(), q32, out, block_table.data_ptr(), context_lens.data_ptr(),
             batch, block_table.shape[1], block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale,
-            self.num_threads))
+            self.num_threads, int(self.split_context)))
 
 
-def paged_decode_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-                        head_dim: int) -> PagedDecodeKernel | None:
+def paged_decode_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                        split_context: bool = True) -> PagedDecodeKernel | None:
     """The C decode kernel when it is built and handles these shapes, else None."""
     if kv_dtype not in (torch.bfloat16, torch.float32) or num_heads > MAX_HEADS or head_dim > MAX_HEAD_DIM:
         return None
@@ -53,7 +55,7 @@ def paged_decode_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int
     lib = cpu_kernels()
     if lib is None:
         return None
-    return PagedDecodeKernel(lib, torch.get_num_threads())
+    return PagedDecodeKernel(lib, torch.get_num_threads(), split_context)
 
 
 class PagedPrefillKernel:

@@ -23,17 +23,19 @@ from kvbaton.paths import kernels_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c")
+SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c",
+           "linear_dot.c")
 HEADERS = ("vec8.h",)
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C signatures: name -> (return type, argument types); the sources document each argument.
 SIGNATURES = {
-    "kvbaton_paged_decode_attention": (_i, [_p, _i, _p, _p, _p, _p, _i64, _i64, _i, _i, _i, _i, _f, _i]),
+    "kvbaton_paged_decode_attention": (_i, [_p, _i, _p, _p, _p, _p, _i64, _i64, _i, _i, _i, _i, _f, _i, _i]),
     "kvbaton_paged_prefill_attention": (_i, [_p, _i, _p, _p, _p, _i64, _i64, _i, _i, _i, _i, _f, _i]),
     "kvbaton_linear_bf16": (_i, [_p, _p, _p, _p, _i64, _i64, _i64, _i]),
     "kvbaton_gemm_packed": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i]),
     "kvbaton_add_rms_norm_bf16": (None, [_p, _p, _p, _p, _p, _i64, _i64, _f, _i]),
     "kvbaton_copy_rows": (None, [_p, _p, _p, _p, _i64, _i64, _i]),
+    "kvbaton_linear_dot": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i, _i]),
 }
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
@@ -41,6 +43,9 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 # constructor turns on flush-to-zero / denormals-are-zero for the whole process as soon as it is loaded:
 # every float parsed there after (a request's top_p of 5e-324 read as 0.0) and torch's own arithmetic.
 LDFLAGS = ("-fopenmp", "-shared")
+# Per-source flags, after CFLAGS (so they override): the batch-invariant kernel must not let the compiler
+# reorder its sums (see linear_dot.c).
+SOURCE_FLAGS = {"linear_dot.c": ("-fno-fast-math",)}
 
 
 def _cpu_fingerprint() -> str:
@@ -63,7 +68,9 @@ def _build(out: Path, compiler: str) -> None:
         with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
             objs = [str(Path(objdir) / f"{Path(src).stem}.o") for src in srcs]
             for src, obj in zip(srcs, objs):
-                subprocess.run([compiler, *CFLAGS, "-c", "-o", obj, src], check=True, capture_output=True, text=True)
+                extra = SOURCE_FLAGS.get(Path(src).name, ())
+                subprocess.run([compiler, *CFLAGS, *extra, "-c", "-o", obj, src], check=True, capture_output=True,
+                               text=True)
             subprocess.run([compiler, *LDFLAGS, "-o", tmp, *objs, "-lm"], check=True, capture_output=True, text=True)
         os.replace(tmp, out)
     finally:
@@ -82,7 +89,7 @@ def cpu_kernels() -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for s in (*SOURCES, *HEADERS):
         digest.update(Path(__file__).with_name(s).read_bytes())
-    digest.update(" ".join((*CFLAGS, *LDFLAGS)).encode() + compiler.encode() + _cpu_fingerprint().encode())
+    digest.update(" ".join((*CFLAGS, *LDFLAGS, repr(sorted(SOURCE_FLAGS.items())))).encode() + compiler.encode() + _cpu_fingerprint().encode())
     out = kernels_dir() / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
     try:
         if not out.exists():

@@ -111,3 +111,53 @@ def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed_dtype: t
     """`weight` [N, K] packed for the many-row kernel, or None without the kernels."""
     lib = cpu_kernels()
     return None if lib is None else PackedLinear(lib, torch.get_num_threads(), weight, bias, packed_dtype, gated)
+
+
+ISA_GENERIC, ISA_AVX512_BF16 = 0, 1  # linear_dot.c's instruction sets
+
+
+class DotLinear:
+    """`kvbaton_linear_dot`: x W^T (+ b), one fixed-order dot product per output (linear_dot.c).
+
+    Two uses: the decode linear on AVX512-BF16 CPUs (`avx512_bf16=True`: bf16 pairs multiplied by
+    `vdpbf16ps` straight from the weights), and the batch-invariant linear of deterministic mode, where
+    it takes every row count, because each output's sums do not depend on the batch."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, avx512_bf16: bool, max_rows: int | None) -> None:
+        self._fn = lib.kvbaton_linear_dot
+        self.num_threads = num_threads
+        self.isa = ISA_AVX512_BF16 if avx512_bf16 else ISA_GENERIC
+        self.max_rows = max_rows  # None: every row count (deterministic mode)
+
+    def handles_rows(self, x: torch.Tensor) -> bool:
+        return self.max_rows is None or x.numel() // x.shape[-1] <= self.max_rows
+
+    def supports_weight(self, weight: torch.Tensor) -> bool:
+        if not weight.is_contiguous():
+            return False
+        if self.isa == ISA_AVX512_BF16:
+            return weight.dtype == torch.bfloat16
+        return weight.dtype in (torch.bfloat16, torch.float32) and weight.shape[1] % 8 == 0
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [..., K] -> [..., N] in x's dtype (fp32 sums, rounded once to bf16 for bf16 x)."""
+        n, k = weight.shape
+        rows = x.numel() // k
+        if rows == 0:  # a step that samples nothing (mid-prompt chunks) still runs the lm_head
+            return x.new_empty(*x.shape[:-1], n)
+        x_in = x.reshape(rows, k).to(torch.bfloat16 if self.isa == ISA_AVX512_BF16 else torch.float32).contiguous()
+        out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        y = torch.empty(rows, n, dtype=out_dtype)
+        b32 = None if bias is None else bias.to(torch.float32).contiguous()
+        rc = self._fn(x_in.data_ptr(), weight.data_ptr(), weight.element_size(), 0 if b32 is None else b32.data_ptr(),
+                      y.data_ptr(), _OUT_BF16 if out_dtype == torch.bfloat16 else _OUT_F32, rows, n, k, self.isa,
+                      self.num_threads)
+        if rc != 0:
+            raise ValueError(f"dot linear kernel: unsupported shape x {tuple(x.shape)}, w {(n, k)}")
+        y = y.view(*x.shape[:-1], n)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def dot_linear(avx512_bf16: bool, max_rows: int | None = MAX_LINEAR_ROWS) -> DotLinear | None:
+    lib = cpu_kernels()
+    return None if lib is None else DotLinear(lib, torch.get_num_threads(), avx512_bf16, max_rows)

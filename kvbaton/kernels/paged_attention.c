@@ -130,13 +130,14 @@ static void attend_range(const Shape *s, const float *q, const int64_t *blocks, 
 }
 
 /* q: [B, H, D] fp32 (the G query heads of a KV head adjacent); out: [B, H, D] fp32;
- * block_tables: [B, max_blocks] int64; context_lens: [B] int64 (each >= 1).
+ * block_tables: [B, max_blocks] int64; context_lens: [B] int64 (each >= 1); allow_split: 0 keeps every
+ * request's context in one partition (batch-invariant sums, for deterministic serving).
  * Returns 0; -1 for shapes this kernel does not handle (the caller then uses PyTorch);
  * -2 when out of memory. */
 int kvbaton_paged_decode_attention(const void *kv_cache, int elem_bytes, const float *q, float *out,
                                    const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                                    int64_t max_blocks, int block_size, int num_kv_heads, int group,
-                                   int head_dim, float scale, int num_threads) {
+                                   int head_dim, float scale, int num_threads, int allow_split) {
     const int num_heads = num_kv_heads * group;
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % 8 || num_kv_heads * head_dim > MAX_KV_ROW
         || (elem_bytes != 2 && elem_bytes != 4))
@@ -146,7 +147,7 @@ int kvbaton_paged_decode_attention(const void *kv_cache, int elem_bytes, const f
      * MIN_PARTITION_BLOCKS blocks (below that the merge costs more than it spreads). */
     int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;
     if (parts > max_blocks / MIN_PARTITION_BLOCKS) parts = max_blocks / MIN_PARTITION_BLOCKS;
-    if (parts < 1) parts = 1;
+    if (parts < 1 || !allow_split) parts = 1;  /* no split: each query's sums in one order, batch or not */
     const int64_t part_tokens = ((max_blocks * block_size + parts - 1) / parts + block_size - 1)
                                 / block_size * block_size;  /* whole blocks */
     const int64_t hd = (int64_t)num_heads * head_dim;

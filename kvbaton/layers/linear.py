@@ -1,13 +1,12 @@
-"""Linear layer that picks its compute path by batch size.
-
-On CPUs without native bf16 arithmetic (no AVX512-BF16 / AMX), bf16 GEMMs are emulated:
-fine for one-row decodes, which are memory-bound and gain from reading half the bytes,
-but several times slower than fp32 for many rows (prefill, big batches), which are
-compute-bound. So, where the C kernels (`kvbaton.kernels`) are built:
-- a few rows against bf16 weights stream the weights at memory speed (small-batch kernel);
-- more rows run an fp32-accumulating GEMM over weights packed once at load time.
-Without the kernels, inputs of at least `upcast_min_rows` rows are computed in fp32 by PyTorch
-(from a kept fp32 copy of the weights, or converted on the fly).
+"""Linear layer that picks its compute path by batch size, as the engine's `ComputePlan` set it up
+(`kvbaton.layers.compute_paths`):
+- `rows_kernel`: a C kernel for the row counts it handles: a few rows streaming the weights at memory
+  speed (decode), or, in deterministic mode, every row count through one fixed-order dot product;
+- `packed`: an fp32-accumulating GEMM over weights packed once at load time (many rows, AVX2 CPUs,
+  where bf16 GEMMs are emulated and lose to fp32 ones);
+- `upcast_min_rows`: without kernels on such CPUs, that many rows or more compute in fp32 in PyTorch
+  (from a kept fp32 copy of the weights, or converted on the fly);
+- otherwise PyTorch in the weights' dtype (oneDNN's native bf16 GEMMs, MKL for fp32).
 """
 
 from __future__ import annotations
@@ -16,26 +15,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbaton.kernels import PackedLinear, SmallBatchLinear
+from kvbaton.kernels import DotLinear, PackedLinear, SmallBatchLinear
 
 
 class Linear(nn.Linear):
     upcast_min_rows: int | None = None  # None: always compute in the weights' dtype
-    small_batch_kernel: SmallBatchLinear | None = None  # C kernel for a few rows against bf16 weights
+    rows_kernel: SmallBatchLinear | DotLinear | None = None  # C kernel for the row counts it handles
     fp32_weight: torch.Tensor | None = None  # kept fp32 copy for the upcast path (small models only)
     packed: PackedLinear | None = None  # the many-row C kernel with its packed weights
 
-    def takes_small_batch(self, x: torch.Tensor) -> bool:
-        return self._small_batch_kernel_for(x) is not None
+    def takes_rows_kernel(self, x: torch.Tensor) -> bool:
+        return self._rows_kernel_for(x) is not None
 
-    def _small_batch_kernel_for(self, x: torch.Tensor) -> SmallBatchLinear | None:
-        kernel = self.small_batch_kernel  # set only where the weight suits it (set_compute_paths)
+    def _rows_kernel_for(self, x: torch.Tensor) -> SmallBatchLinear | DotLinear | None:
+        kernel = self.rows_kernel  # set only where the weight suits it (apply_compute_plan)
         return kernel if kernel is not None and kernel.handles_rows(x) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        small_batch = self._small_batch_kernel_for(x)
-        if small_batch is not None:
-            return small_batch(x, self.weight, self.bias)
+        rows_kernel = self._rows_kernel_for(x)
+        if rows_kernel is not None:
+            return rows_kernel(x, self.weight, self.bias)
         if self.packed is not None:
             return self.packed(x)
         rows = self.upcast_min_rows

@@ -12,7 +12,7 @@ from kvbaton.layers.linear import Linear
 
 
 class MLP(nn.Module):
-    # gate_up_proj packed for the C GEMM with silu(gate) * up in its epilogue (set_compute_paths)
+    # gate_up_proj packed for the C GEMM with silu(gate) * up in its epilogue (apply_compute_plan)
     fused_gate_up: PackedLinear | None = None
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -22,7 +22,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up is not None and not self.gate_up_proj.takes_small_batch(x):
+        if self.fused_gate_up is not None and not self.gate_up_proj.takes_rows_kernel(x):
             return self.down_proj(self.fused_gate_up(x))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -10,7 +10,7 @@ from kvbaton.kernels import AddRMSNorm
 
 
 class RMSNorm(nn.Module):
-    kernel: AddRMSNorm | None = None  # C residual-add + norm for bf16 activations (set_compute_paths)
+    kernel: AddRMSNorm | None = None  # C residual-add + norm for bf16 activations (apply_compute_plan)
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -26,7 +26,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """`(norm(x + residual), x + residual)`; the first layer has no residual yet: `(norm(x), x)`."""
         kernel = self.kernel
-        if kernel is not None and kernel.handles(x):  # set only for a bf16 weight (set_compute_paths)
+        if kernel is not None and kernel.handles(x):  # set only for a bf16 weight (apply_compute_plan)
             return kernel(x, residual, self.weight, self.eps)  # one pass, HF's roundings
         if residual is not None:
             x = x + residual

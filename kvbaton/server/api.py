@@ -215,9 +215,14 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
         s = client.stats
+        try:  # the first engine's; each worker's own is in GET /workers
+            compute_path = client.info.compute_path
+        except EngineError:  # no engine has come up yet
+            compute_path = None
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
-                "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending}
+                "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending,
+                "compute_path": compute_path}
 
     add_worker_routes(app, client, settings.max_workers)
     return app

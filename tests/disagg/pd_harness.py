@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import random
+import signal
+import time
 
 from helpers import TINY_VOCAB
 
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import CacheConfig, EngineConfig
+from kvbaton.disagg.flight import Phase
 from kvbaton.disagg.router import Router, RouterConfig
 from kvbaton.disagg.worker_pool import PoolConfig
 from kvbaton.engine.sampling_params import SamplingParams
@@ -26,12 +30,14 @@ def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 @contextlib.asynccontextmanager
 async def router_over(model_dir, prefill: int, decode: int, transport: str = "shm", block_size: int = 4,
-                      redis_url: str | None = None, log_dir=None, encrypt_traffic: bool = False, **router_kwargs):
-    """A real router over real worker processes (tiny fp32 model), brought up by `deploy` as
-    `kvbaton serve` does; everything stopped after. Keyword arguments go to the pool's or the
-    router's config, by name."""
+                      redis_url: str | None = None, log_dir=None, encrypt_traffic: bool = False,
+                      engine_overrides: dict | None = None, **router_kwargs):
+    """A real router over real worker processes (tiny fp32 model unless `engine_overrides` says
+    otherwise), brought up by `deploy` as `kvbaton serve` does; everything stopped after. Keyword
+    arguments go to the pool's or the router's config, by name."""
     engine = EngineConfig(model=str(model_dir), dtype="float32", num_threads=1,
                           cache=CacheConfig(block_size=block_size, num_blocks=256))
+    engine = dataclasses.replace(engine, **(engine_overrides or {}))
     pool_kwargs = {k: v for k, v in router_kwargs.items() if k in POOL_FIELDS}
     pool = PoolConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **pool_kwargs})
     config = RouterConfig(**{k: v for k, v in router_kwargs.items() if k not in POOL_FIELDS})
@@ -71,3 +77,15 @@ async def collect(router: Router, request_id: str, prompt: list[int], max_tokens
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 300))
+
+
+async def kill_when(router: Router, name: str, phase: Phase, min_tokens: int, timeout_s: float = 60.0) -> float:
+    """SIGKILL `name` once a flight on it is in `phase` with at least `min_tokens` streamed; the kill time."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        on_it = [f for f in router.flights.values() if name in (f.prefill, f.decode) and f.phase == phase]
+        if any(len(f.tokens) >= min_tokens for f in on_it):
+            os.kill(router.pool.workers[name].pid, signal.SIGKILL)
+            return time.monotonic()
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"no flight on {name} reached {phase.value} in time")

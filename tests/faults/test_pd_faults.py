@@ -6,34 +6,19 @@ under their names, and every live worker's KV pool passes its integrity check af
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from collections.abc import Callable
 
 import pytest
 from helpers import hf_greedy
-from pd_harness import assert_pools_clean, collect, router_over, run, tiny_prompts
+from pd_harness import assert_pools_clean, collect, kill_when, router_over, run, tiny_prompts
 
 from kvbaton.disagg.flight import Phase
-from kvbaton.disagg.router import Router
 from kvbaton.engine.errors import EngineError
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 64  # prompt + output stay within the tiny model's 256 positions
-
-
-async def kill_when(router: Router, name: str, phase: Phase, min_tokens: int, timeout_s: float = 60.0) -> float:
-    """SIGKILL `name` once a flight on it is in `phase` with at least `min_tokens` streamed; the kill time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        on_it = [f for f in router.flights.values() if name in (f.prefill, f.decode) and f.phase == phase]
-        if any(len(f.tokens) >= min_tokens for f in on_it):
-            os.kill(router.pool.workers[name].pid, signal.SIGKILL)
-            return time.monotonic()
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"no flight on {name} reached {phase.value} in time")
 
 
 async def time_until(predicate: Callable[[], bool], timeout_s: float) -> float:

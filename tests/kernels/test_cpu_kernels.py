@@ -19,8 +19,8 @@ from kvbaton.kernels import (
     paged_prefill_kernel,
     small_batch_linear,
 )
-from kvbaton.layers.linear import Linear
-from kvbaton.platform.cpu import has_native_bf16
+from kvbaton.kernels.linear import dot_linear
+from kvbaton.platform.cpu import detect_cpu
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"
@@ -92,6 +92,40 @@ def test_paged_prefill_matches_fp32_reference(dtype, heads, kv_heads, head_dim, 
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2,
                                rtol=1e-4 if dtype == torch.float32 else 1e-2)
+
+
+DOT_ISAS = [pytest.param(False, id="generic"),
+            pytest.param(True, id="avx512bf16", marks=pytest.mark.skipif(
+                not detect_cpu().avx512_bf16, reason="this CPU has no AVX512-BF16 (vdpbf16ps)"))]
+
+
+@pytest.mark.parametrize("avx512_bf16", DOT_ISAS)
+@pytest.mark.parametrize("n, k, bias", [(100, 72, True), (3072, 576, False), (64, 200, False)])
+def test_dot_linear_matches_fp32(avx512_bf16, n, k, bias):
+    if not avx512_bf16 and k % 8:
+        pytest.skip("the generic dot kernel takes K in multiples of 8")
+    torch.manual_seed(n + k)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(13, k).bfloat16()
+    b = torch.randn(n) if bias else None
+    out = dot_linear(avx512_bf16, max_rows=None)(x, weight, b)
+    ref = F.linear(x.float(), weight.float(), b)
+    assert out.dtype == torch.bfloat16 and out.shape == (13, n)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2 * k**0.5, rtol=2**-7)
+
+
+@pytest.mark.parametrize("avx512_bf16, weight_dtype", [(False, torch.float32)] + [
+    pytest.param(p.values[0], torch.bfloat16, id=f"{p.id}-bf16", marks=p.marks) for p in DOT_ISAS])
+def test_dot_linear_is_batch_invariant(avx512_bf16, weight_dtype):
+    """Each output is bit-identical whatever the rows around it, their number or the thread count."""
+    torch.manual_seed(7)
+    weight = torch.randn(1000, 576).to(weight_dtype)
+    x = torch.randn(40, 576).to(weight_dtype)
+    kernel = dot_linear(avx512_bf16, max_rows=None)
+    full = kernel(x, weight, None)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(1, 33), slice(39, 40)):
+        assert torch.equal(kernel(x[rows], weight, None), full[rows])
+    kernel.num_threads = 1
+    assert torch.equal(kernel(x, weight, None), full)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
@@ -189,29 +223,6 @@ def test_add_rms_norm_rounds_like_hf(with_residual):
     ref = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
     torch.testing.assert_close(out.float(), ref.float(), atol=1e-3, rtol=2**-7)
     assert (out == ref).float().mean() > 0.98
-
-
-@pytest.mark.skipif(has_native_bf16(), reason="this CPU has native bf16: linears stay on oneDNN (next test)")
-def test_bf16_engine_uses_packed_weights(tiny_models):
-    model = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8).engine.core.runner.model
-    mlps = [layer.mlp for layer in model.layers]
-    assert all(m.fused_gate_up is not None and m.gate_up_proj.packed is None for m in mlps)
-    others = [m for m in model.modules() if isinstance(m, Linear) and all(m is not p.gate_up_proj for p in mlps)]
-    assert others and all(m.packed is not None and m.fp32_weight is None for m in others)
-    assert model.norm.kernel is not None
-    plain = LLM(str(tiny_models["llama"]), dtype="bfloat16", kernels=False).engine.core.runner.model
-    assert plain.lm_head.packed is None and plain.layers[0].mlp.fused_gate_up is None and plain.norm.kernel is None
-
-
-@pytest.mark.skipif(not has_native_bf16(), reason="this CPU emulates bf16: C kernels take the linears (previous test)")
-def test_native_bf16_engine_leaves_linears_and_norms_to_torch(tiny_models):
-    """With AVX512-BF16/AMX, torch's bf16 matmuls (oneDNN) beat the AVX2 C kernels, so the engine
-    keeps PyTorch's path for every linear and norm (the choice per layer is issue 11's platform layer)."""
-    model = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8).engine.core.runner.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.packed is None and m.small_batch_kernel is None and m.fp32_weight is None
-                           for m in linears)
-    assert all(layer.mlp.fused_gate_up is None for layer in model.layers) and model.norm.kernel is None
 
 
 def test_copy_rows_scatters_whole_rows():

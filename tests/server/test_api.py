@@ -144,3 +144,15 @@ def test_api_key(default_model_dir):
         assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/metrics").status_code == 200
+
+
+def test_stats_and_workers_name_the_compute_path(default_server):
+    """The path the table chose for this CPU (kvbaton.platform.compute), as the engine logged it at start."""
+    from kvbaton.platform.compute import choose_compute_plan
+    from kvbaton.platform.cpu import detect_cpu
+
+    expected = choose_compute_plan(detect_cpu(), "float32").summary()  # the server fixture runs fp32
+    assert _stats(default_server)["compute_path"] == expected
+    workers = httpx.get(f"{default_server}/workers", timeout=10).json()
+    rows = workers if isinstance(workers, list) else workers.get("workers", [])
+    assert rows and all(w["compute_path"] == expected for w in rows)

@@ -1,0 +1,132 @@
+"""Which code computes each kind of layer, chosen from one table by CPU, dtype and mode.
+
+Every engine picks one `ComputePlan` at start-up (`choose_compute_plan`), logs it, reports it in
+`/stats` and the benchmark headers, and applies it to its model (`kvbaton.layers.compute_paths`).
+`--compute-path` names a row of the table instead of letting the CPU choose; `--deterministic`
+replaces the row by its batch-invariant variant.
+
+Why these rows (2-core machines, SmolLM2-135M, benchmarks/results/platform.md):
+- avx512-bf16 (CPUs with AVX512-BF16 / AMX): bf16 is native, so oneDNN's bf16 GEMMs (AMX tiles)
+  take many rows and SDPA's flash kernel the prefill attention (both beat kvbaton's AVX2-tuned C
+  there); a few rows (decode) stream the weights through `vdpbf16ps` at ~1.5-2x oneDNN's bandwidth.
+- avx2 (AVX2 without native bf16): bf16 GEMMs are emulated, so kvbaton's C kernels take every
+  linear: a streaming kernel for a few rows, a packed fp32-accumulating GEMM (gate/up fused with
+  SiLU) for many, and a fused residual-add + RMSNorm.
+- onednn: PyTorch (oneDNN / MKL) for every linear and norm, the C kernels for attention only.
+- torch: no C code at all (no compiler, or to compare against).
+float32 models (the parity oracle's dtype) compute linears in PyTorch's fp32 GEMMs on every row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+from typing import Literal
+
+from kvbaton.config import ConfigError
+from kvbaton.platform.cpu import CPUInfo
+
+COMPUTE_PATHS = ("auto", "avx512-bf16", "avx2", "onednn", "torch")
+
+# What computes a linear layer: kvbaton's C kernels (dot-avx512bf16 / dot-generic: linear_dot.c;
+# stream-avx2: linear_bf16.c; packed: gemm_packed.c) or PyTorch ("torch": oneDNN for bf16 on native
+# CPUs, MKL for fp32; "torch-fp32": upcast to fp32 first, for emulated bf16 without kernels).
+LinearCode = Literal["dot-avx512bf16", "dot-generic", "stream-avx2", "packed", "torch", "torch-fp32"]
+NormCode = Literal["c", "torch"]
+# c: the C kernels for decode and prefill; c+sdpa: C decode, PyTorch's fused SDPA (flash) for prefill;
+# c-per-token: every token attends as a decode query over its unsplit context (batch-invariant)
+AttentionCode = Literal["c", "c+sdpa", "c-per-token", "torch"]
+
+
+@dataclass(frozen=True)
+class ComputePlan:
+    path: str  # the table's row (one of COMPUTE_PATHS but "auto")
+    dtype: str  # "bfloat16" | "float32"
+    few_rows_linear: LinearCode  # up to FEW_ROWS rows: decode steps
+    many_rows_linear: LinearCode  # more rows: prefill chunks, big decode batches
+    norm: NormCode
+    attention: AttentionCode
+    deterministic: bool
+    reason: str  # why this row
+
+    FEW_ROWS = 8  # the streaming kernels' row limit (linear_bf16.c's MAX_ROWS)
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.path != "torch"
+
+    def summary(self) -> str:
+        linears = (self.few_rows_linear if self.few_rows_linear == self.many_rows_linear
+                   else f"{self.few_rows_linear} (<= {self.FEW_ROWS} rows) / {self.many_rows_linear}")
+        mode = ", deterministic" if self.deterministic else ""
+        return (f"{self.path}{mode} [{self.dtype}]: linears {linears}; norms {self.norm}; attention "
+                f"{self.attention} ({self.reason})")
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def choose_compute_plan(cpu: CPUInfo, dtype: str, requested: str = "auto", deterministic: bool = False,
+                        kernels_available: bool = True) -> ComputePlan:
+    """The table's row for this CPU and dtype (or the `requested` one, refused with a ConfigError where
+    this machine cannot run it), then its deterministic variant if asked for."""
+    if requested not in COMPUTE_PATHS:
+        raise ConfigError(f"unknown compute path {requested!r}; choose one of {', '.join(COMPUTE_PATHS)}")
+    if dtype not in ("bfloat16", "float32"):
+        raise ConfigError(f"compute paths are chosen for bfloat16 or float32, not {dtype!r}")
+    path, reason = requested, "asked for (--compute-path)"
+    if requested == "auto":
+        path, reason = _auto_path(cpu, kernels_available)
+    _check_runs_here(path, cpu, kernels_available)
+    plan = _row(path, dtype, reason, cpu.native_bf16)
+    return _deterministic(plan, cpu, kernels_available) if deterministic else plan
+
+
+def _auto_path(cpu: CPUInfo, kernels_available: bool) -> tuple[str, str]:
+    if not kernels_available:
+        return "torch", "the C kernels could not be built here (no compiler, or KVBATON_KERNELS=0)"
+    if cpu.avx512_bf16:
+        return "avx512-bf16", "this CPU has native bf16 (AVX512-BF16)"
+    if cpu.native_bf16:  # AMX without AVX512-BF16: no such CPU ships today, but oneDNN would use it
+        return "onednn", "this CPU has native bf16 (AMX)"
+    if cpu.arch in ("x86_64", "AMD64") and cpu.avx2:
+        return "avx2", "this CPU emulates bf16 (AVX2, no AVX512-BF16)"
+    return "onednn", f"no kvbaton kernel path for {cpu.arch} without AVX2; the C attention kernels are portable"
+
+
+def _check_runs_here(path: str, cpu: CPUInfo, kernels_available: bool) -> None:
+    if path != "torch" and not kernels_available:
+        raise ConfigError(f"compute path {path!r} needs kvbaton's C kernels, which could not be built here "
+                          "(no C compiler, or KVBATON_KERNELS=0); use --compute-path torch")
+    if path == "avx512-bf16" and not cpu.avx512_bf16:
+        raise ConfigError("compute path 'avx512-bf16' needs a CPU with AVX512-BF16; this one has: "
+                          f"{cpu.summary()}")
+    if path == "avx2" and not cpu.avx2:
+        raise ConfigError(f"compute path 'avx2' needs a CPU with AVX2 and FMA; this one has: {cpu.summary()}")
+
+
+def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
+    if dtype == "float32":  # the parity oracle's dtype: PyTorch's fp32 GEMMs; C attention where built
+        attention: AttentionCode = "torch" if path == "torch" else "c"
+        return ComputePlan(path, dtype, "torch", "torch", "torch", attention, False, reason)
+    rows: dict[str, tuple[LinearCode, LinearCode, NormCode, AttentionCode]] = {
+        "avx512-bf16": ("dot-avx512bf16", "torch", "c", "c+sdpa"),
+        "avx2": ("stream-avx2", "packed", "c", "c"),
+        "onednn": ("torch", "torch", "torch", "c"),
+        # NOTE: emulated bf16 GEMMs lose to fp32 ones from ~16 rows on (2-core AVX2 EPYC), so many rows upcast
+        "torch": ("torch", "torch" if native_bf16 else "torch-fp32", "torch", "torch"),
+    }
+    few, many, norm, attention = rows[path]
+    return ComputePlan(path, dtype, few, many, norm, attention, False, reason)
+
+
+def _deterministic(plan: ComputePlan, cpu: CPUInfo, kernels_available: bool) -> ComputePlan:
+    """Batch-invariant variant: every linear one fixed-order dot product per output for any row count,
+    the residual-add + norm kernel row by row, every token (prefill ones too) attending as a decode
+    query over one unsplit context. All of it is C: PyTorch's GEMMs choose their blocking by shape."""
+    if not kernels_available or plan.path == "torch":
+        raise ConfigError("--deterministic needs kvbaton's C kernels (the batch-invariant linear and attention), "
+                          "which the 'torch' compute path does not use or could not be built here")
+    linear: LinearCode = "dot-avx512bf16" if plan.dtype == "bfloat16" and cpu.avx512_bf16 else "dot-generic"
+    norm: NormCode = "c" if plan.dtype == "bfloat16" else "torch"
+    return replace(plan, few_rows_linear=linear, many_rows_linear=linear, norm=norm, attention="c-per-token",
+                   deterministic=True)

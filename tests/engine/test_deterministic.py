@@ -1,0 +1,37 @@
+"""`--deterministic` on the real default model in bf16: greedy output is identical whatever a request
+is batched with (alone, 8, 32), whether its prompt is prefilled whole or in chunks, and with 1 or 2
+threads. Without it, bf16 output may differ with batch shape (oneDNN picks kernels by shape); that is
+why fp32, not bf16, is the parity oracle's dtype. Colocated vs PD: tests/disagg/test_deterministic_pd.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import deterministic_prompts, greedy
+
+from kvbaton import LLM
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_deterministic_output_is_independent_of_batching_chunking_and_threads(default_model_dir, threads):
+    llm = LLM(str(default_model_dir), dtype="bfloat16", deterministic=True, num_threads=2)
+    assert llm.engine.core.compute_plan.deterministic
+    prompts = deterministic_prompts(llm.engine.model_config.vocab_size, 32)
+    alone = [greedy(llm, MAX_NEW, [p])[0] for p in prompts[:8]]
+    assert greedy(llm, MAX_NEW, prompts[:8]) == alone
+    assert greedy(llm, MAX_NEW, prompts)[:8] == alone  # 32 at once: decodes batched with other prompts' prefill chunks
+    # a 16-token budget: every prompt over 16 tokens is prefilled in chunks, beside other requests' decodes
+    chunked = LLM(str(default_model_dir), dtype="bfloat16", deterministic=True, num_threads=1,
+                  max_num_batched_tokens=16, enable_prefix_caching=False)
+    assert chunked.engine.core.runner.decode_kernel.num_threads == 1
+    assert greedy(chunked, MAX_NEW, prompts[:8]) == alone
