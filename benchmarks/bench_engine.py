@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="also measure kvbaton with compile=True: auto = latency only, failures noted; "
                          "on = latency and throughput")
+    ap.add_argument("--compute-path", default="auto", help="kvbaton's --compute-path (default: chosen by the CPU)")
+    ap.add_argument("--deterministic", default="on", choices=["on", "off"],
+                    help="also measure kvbaton with --deterministic (its cost against the default row)")
     ap.add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh random, printed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", default=None, help="default: kvbaton's pulled default model")
@@ -77,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="give up on one engine's process after this long (default: the larger of the "
                          "size preset's limit and 2 x --max-run-s, so a throughput run let through can finish)")
     ap.add_argument("--_compile", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_deterministic", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--_no_tp", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.sizes = QUICK if args.quick else FULL
@@ -90,10 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_in_worker(kind: str, args: argparse.Namespace, dtype: str | None = None, compile_: bool = False) -> dict:
+def run_in_worker(kind: str, args: argparse.Namespace, dtype: str | None = None, compile_: bool = False,
+                  deterministic: bool = False) -> dict:
     """Run one worker in a fresh process (same interpreter, this script), with its figures of
     the machine's state around it."""
-    what = f"{kind} {dtype or ''}{' compile' if compile_ else ''}".strip()
+    what = f"{kind} {dtype or ''}{' compile' if compile_ else ''}{' deterministic' if deterministic else ''}".strip()
     busy = wait_idle(args.wait_idle, what, args.busy_notes)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--_worker", kind, "--seed", str(args.seed),
            "--threads", str(args.threads), "--model-dir", args.model_dir]
@@ -101,7 +106,9 @@ def run_in_worker(kind: str, args: argparse.Namespace, dtype: str | None = None,
         cmd.append("--quick")
     if dtype:
         cmd += ["--dtype", dtype]
-    cmd += ["--max-run-s", str(args.max_run_s)]
+    cmd += ["--max-run-s", str(args.max_run_s), "--compute-path", args.compute_path]
+    if deterministic:
+        cmd.append("--_deterministic")
     if compile_:
         cmd.append("--_compile")
         if args.compile_flag != "on":
@@ -125,6 +132,10 @@ def run_dtype(args: argparse.Namespace, dtype: str, facts: ModelFacts, read_bw: 
     dres: dict = {"roofline": to_json(roof)}
     log(f"== {dtype}: roofline {roof.roofline_ms_per_tok:.2f} ms/tok")
     dres["kvbaton"] = run_in_worker("kvbaton", args, dtype)
+    if args.deterministic == "on":
+        dres["kvbaton_deterministic"] = r = run_in_worker("kvbaton", args, dtype, deterministic=True)
+        if "error" in r:
+            notes.append(f"kvbaton --deterministic ({dtype}) failed: {r['error'][:300]}")
     if args.compile_flag != "off":
         dres["kvbaton_compile"] = r = run_in_worker("kvbaton", args, dtype, compile_=True)
         if "error" in r:

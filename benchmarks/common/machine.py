@@ -44,8 +44,11 @@ def environment(*, with_transformers: bool = False, peers: dict[str, str] | None
         import transformers
 
         transformers_version = transformers.__version__
+    from kvbaton.platform.cpu import detect_cpu
+
     return Environment(cpu=cpu_name(), cpus=os.cpu_count(), torch=torch.__version__,
                        torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                       cpu_features=detect_cpu().summary(),
                        transformers=transformers_version, python=platform.python_version(),
                        kvbaton_commit=kvbaton_commit(), peers=peers)
 

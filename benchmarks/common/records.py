@@ -44,6 +44,7 @@ class Environment:
     cpus: int | None
     torch: str
     torch_cpu_capability: str
+    cpu_features: str | None = optional()  # kvbaton.platform.cpu's summary: what the compute-path table saw
     transformers: str | None = optional()  # bench_engine (it runs HF as a peer)
     python: str
     kvbaton_commit: str  # "+dirty" when kvbaton/ has uncommitted changes
@@ -130,6 +131,7 @@ class WorkerRun:
     torch_threads: int
     version: str
     compile: bool | None = optional()  # kvbaton
+    compute_path: str | None = optional()  # kvbaton: its ComputePlan, as logged at start-up
     attn_implementation: str | None = optional()  # HF
     probe_s: float | None  # the batched warm-up (None: no throughput run asked for)
     warmup_s: float

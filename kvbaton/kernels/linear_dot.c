@@ -3,12 +3,14 @@
  * Why by hand: two jobs with one design.
  * - Decode on CPUs with AVX512-BF16: with one to a few rows a linear layer is a pass over the
  *   weights, and oneDNN's bf16 GEMM reached 10-16 GB/s of a 20 GB/s read bandwidth on this model's
- *   decode shapes (2-core Xeon with AMX). Here `vdpbf16ps` multiplies bf16 pairs straight from the
- *   weight row (no widening), and four weight rows are in flight at once for a single row of x.
+ *   decode shapes (2-core Xeon with AMX), and ~2.5x the weights' read time at 32 rows (a decode
+ *   batch). Here `vdpbf16ps` multiplies bf16 pairs straight from the weight rows (no widening), a
+ *   register tile of 4 columns x up to 4 rows reuses every weight load, and the weights ahead are
+ *   prefetched.
  * - Batch-invariant (deterministic) serving: every output y[r][j] is accumulated the same way
- *   whatever the number of rows, the row's place in the batch or the thread count: two vector
- *   accumulators taking alternate chunks of K, then one fixed reduction tree. Threads split the
- *   columns, never K. So a token's logits do not change with what it is batched with.
+ *   whatever the number of rows, the row's place in the batch or the thread count: one vector
+ *   accumulator over K front to back, then one fixed horizontal sum. Threads split columns and
+ *   rows, never K. So a token's logits do not change with what it is batched with.
  *
  * Two instruction sets, chosen by the caller (kvbaton.platform): ISA_GENERIC (eight-float vectors,
  * any x86-64 with -march=native; x fp32, w bf16 or fp32) and ISA_AVX512_BF16 (x and w bf16; compiled
@@ -29,9 +31,11 @@
 enum { ISA_GENERIC = 0, ISA_AVX512_BF16 = 1 };
 enum { OUT_F32 = 0, OUT_BF16 = 1 };
 
-#define ROWS 4                /* rows of x per pass over a column panel */
-#define PREFETCH_GROUPS 2     /* four-row groups ahead that dot4_bf16 asks memory for */
+#define ROWS 4                /* rows of x per register tile (AVX512; the generic tile takes 2) */
+#define COLS 4                /* weight rows (output columns) per register tile */
+#define PREFETCH_GROUPS 2     /* tiles of COLS weight rows ahead that a tile asks memory for */
 #define PANEL_BYTES 262144    /* weights per column panel: a quarter of a 1 MiB L2, reread by every row block */
+#define ROW_CHUNK 64          /* rows of x per work item (many rows: threads split rows too) */
 
 static inline void store(void *y, int64_t index, float v, const float *bias, int64_t j, int out_mode) {
     if (bias) v += bias[j];
@@ -41,57 +45,67 @@ static inline void store(void *y, int64_t index, float v, const float *bias, int
         ((float *)y)[index] = v;
 }
 
+/* Every output below is one accumulator over K in chunks taken front to back, then one fixed
+ * horizontal sum: the same arithmetic whichever tile shape computes it. A single chain per output
+ * is enough: a tile has COLS x rows independent chains, and the weights, not the arithmetic, are
+ * the limit. The weights of a tile's COLS columns are loaded once per chunk and used by every row;
+ * the COLS weight rows PREFETCH_GROUPS tiles ahead are requested as this tile walks its own (they
+ * are contiguous, so that walk is in address order: the hardware prefetcher alone reached ~60% of a
+ * plain read's bandwidth on decode shapes). */
+
 /* ---- generic: fp32 x, bf16 or fp32 w, eight-float vectors ------------------------------------ */
+
+#define GENERIC_ROWS 2  /* 2 x COLS accumulators + COLS weights + x: within 16 AVX2 registers */
 
 static inline f32x8 load_w8(const void *w, int64_t index, const int w_bf16) {
     return w_bf16 ? load_bf16x8((const uint16_t *)w + index) : load8((const float *)w + index);
 }
 
-/* One output: even 8-chunks of K into a0, odd ones into a1. Every path below computes exactly this. */
-static inline float dot_generic(const float *x, const void *w, int64_t row, int64_t k, const int w_bf16) {
-    f32x8 a0 = {0}, a1 = {0};
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        a0 += load8(x + i) * load_w8(w, row * k + i, w_bf16);
-        a1 += load8(x + i + 8) * load_w8(w, row * k + i + 8, w_bf16);
-    }
-    if (i < k) a0 += load8(x + i) * load_w8(w, row * k + i, w_bf16);
-    return hsum8(a0 + a1);
-}
-
-/* Four columns of one row at once (more loads in flight); per output the same sums as dot_generic. */
-static inline void dot4_generic(const float *x, const void *w, int64_t j, int64_t k, const int w_bf16,
-                                float out[4]) {
-    f32x8 a[4][2] = {{{0}}};
+static inline __attribute__((always_inline)) void tile_generic(const float *x, const void *w, int64_t j, int64_t k,
+                                                               const int w_bf16, const int rows, const int cols,
+                                                               float out[GENERIC_ROWS][COLS]) {
+    f32x8 acc[GENERIC_ROWS][COLS] = {{{0}}};
     const int elem = w_bf16 ? 2 : 4;
-    const char *ahead = (const char *)w + (j + PREFETCH_GROUPS * 4) * k * elem;  /* as in dot4_bf16 */
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-        for (int line = 0; line < elem; line++) __builtin_prefetch(ahead + i * 4 * elem + line * 64);
-        const f32x8 x0 = load8(x + i), x1 = load8(x + i + 8);
-        for (int c = 0; c < 4; c++) {
-            a[c][0] += x0 * load_w8(w, (j + c) * k + i, w_bf16);
-            a[c][1] += x1 * load_w8(w, (j + c) * k + i + 8, w_bf16);
+    const char *ahead = (const char *)w + (j + PREFETCH_GROUPS * COLS) * k * elem;
+    for (int64_t i = 0; i < k; i += 8) {
+        if (cols == COLS && i % 16 == 0)
+            for (int line = 0; line < elem; line++) __builtin_prefetch(ahead + i * COLS * elem + line * 64);
+        f32x8 wv[COLS];
+        for (int c = 0; c < cols; c++) wv[c] = load_w8(w, (j + c) * k + i, w_bf16);
+        for (int r = 0; r < rows; r++) {
+            const f32x8 xv = load8(x + r * k + i);
+            for (int c = 0; c < cols; c++) acc[r][c] += xv * wv[c];
         }
     }
-    if (i < k) {
-        const f32x8 x0 = load8(x + i);
-        for (int c = 0; c < 4; c++) a[c][0] += x0 * load_w8(w, (j + c) * k + i, w_bf16);
-    }
-    for (int c = 0; c < 4; c++) out[c] = hsum8(a[c][0] + a[c][1]);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) out[r][c] = hsum8(acc[r][c]);
 }
+
+#define GENERIC_TILE(R, C) \
+    tile_generic(x + r0 * k, w, j, k, w_bf16, R, C, v); \
+    for (int r = 0; r < R; r++) \
+        for (int c = 0; c < C; c++) store(y, (r0 + r) * n + j + c, v[r][c], bias, j + c, out_mode);
 
 static void panel_generic(const float *x, const void *w, const float *bias, void *y, int64_t m, int64_t n,
                           int64_t k, int64_t j0, int64_t j1, const int w_bf16, int out_mode) {
-    for (int64_t r = 0; r < m; r++) {
-        const float *xr = x + r * k;
+    float v[GENERIC_ROWS][COLS];
+    for (int64_t r0 = 0; r0 < m; r0 += GENERIC_ROWS) {
+        const int two = m - r0 >= 2;
         int64_t j = j0;
-        for (; j + 4 <= j1; j += 4) {
-            float v[4];
-            dot4_generic(xr, w, j, k, w_bf16, v);
-            for (int c = 0; c < 4; c++) store(y, r * n + j + c, v[c], bias, j + c, out_mode);
+        for (; j + COLS <= j1; j += COLS) {
+            if (two) {
+                GENERIC_TILE(2, COLS)
+            } else {
+                GENERIC_TILE(1, COLS)
+            }
         }
-        for (; j < j1; j++) store(y, r * n + j, dot_generic(xr, w, j, k, w_bf16), bias, j, out_mode);
+        for (; j < j1; j++) {
+            if (two) {
+                GENERIC_TILE(2, 1)
+            } else {
+                GENERIC_TILE(1, 1)
+            }
+        }
     }
 }
 
@@ -104,54 +118,46 @@ AVX512_BF16 static inline __m512bh load_bh(const uint16_t *p, int64_t left) {
     return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1u), p);  /* zeros past K */
 }
 
-/* One output: even 32-chunks of K into a0, odd ones into a1, then one fixed reduction. */
-AVX512_BF16 static inline float dot_bf16(const uint16_t *x, const uint16_t *w, int64_t k) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        a0 = _mm512_dpbf16_ps(a0, load_bh(x + i, 32), load_bh(w + i, 32));
-        a1 = _mm512_dpbf16_ps(a1, load_bh(x + i + 32, 32), load_bh(w + i + 32, 32));
-    }
-    if (i < k) a0 = _mm512_dpbf16_ps(a0, load_bh(x + i, k - i), load_bh(w + i, k - i));
-    if (i + 32 < k) a1 = _mm512_dpbf16_ps(a1, load_bh(x + i + 32, k - i - 32), load_bh(w + i + 32, k - i - 32));
-    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-AVX512_BF16 static inline void dot4_bf16(const uint16_t *x, const uint16_t *w, int64_t k, float out[4]) {
-    __m512 a[4][2];
-    for (int c = 0; c < 4; c++) a[c][0] = a[c][1] = _mm512_setzero_ps();
-    /* The four rows two groups ahead, 512 bytes per step: the rows are contiguous, so this walks them in
-     * address order; the hardware prefetcher alone reached ~60% of a plain read's bandwidth here. */
-    const char *ahead = (const char *)(w + PREFETCH_GROUPS * 4 * k);
-    int64_t i = 0;
-    for (; i + 64 <= k; i += 64) {
-        for (int line = 0; line < 8; line++) _mm_prefetch(ahead + i * 8 + line * 64, _MM_HINT_T0);
-        const __m512bh x0 = load_bh(x + i, 32), x1 = load_bh(x + i + 32, 32);
-        for (int c = 0; c < 4; c++) {
-            a[c][0] = _mm512_dpbf16_ps(a[c][0], x0, load_bh(w + c * k + i, 32));
-            a[c][1] = _mm512_dpbf16_ps(a[c][1], x1, load_bh(w + c * k + i + 32, 32));
+AVX512_BF16 static inline __attribute__((always_inline)) void tile_bf16(const uint16_t *x, const uint16_t *w,
+                                                                        int64_t k, const int rows, const int cols,
+                                                                        float out[ROWS][COLS]) {
+    __m512 acc[ROWS][COLS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) acc[r][c] = _mm512_setzero_ps();
+    const char *ahead = (const char *)(w + PREFETCH_GROUPS * COLS * k);
+    for (int64_t i = 0; i < k; i += 32) {
+        if (cols == COLS)  /* COLS rows x 64 bytes per chunk */
+            for (int line = 0; line < COLS; line++) _mm_prefetch(ahead + i * 2 * COLS + line * 64, _MM_HINT_T0);
+        __m512bh wv[COLS];
+        for (int c = 0; c < cols; c++) wv[c] = load_bh(w + c * k + i, k - i);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xv = load_bh(x + r * k + i, k - i);
+            for (int c = 0; c < cols; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
         }
     }
-    for (int c = 0; c < 4; c++) {
-        if (i < k) a[c][0] = _mm512_dpbf16_ps(a[c][0], load_bh(x + i, k - i), load_bh(w + c * k + i, k - i));
-        if (i + 32 < k)
-            a[c][1] = _mm512_dpbf16_ps(a[c][1], load_bh(x + i + 32, k - i - 32),
-                                       load_bh(w + c * k + i + 32, k - i - 32));
-        out[c] = _mm512_reduce_add_ps(_mm512_add_ps(a[c][0], a[c][1]));
-    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
+
+#define BF16_TILE(R, C) \
+    case R: \
+        tile_bf16(x + r0 * k, w + j * k, k, R, C, v); \
+        for (int r = 0; r < R; r++) \
+            for (int c = 0; c < C; c++) store(y, (r0 + r) * n + j + c, v[r][c], bias, j + c, out_mode); \
+        break;
 
 AVX512_BF16 static void panel_bf16(const uint16_t *x, const uint16_t *w, const float *bias, void *y, int64_t m,
                                    int64_t n, int64_t k, int64_t j0, int64_t j1, int out_mode) {
-    for (int64_t r = 0; r < m; r++) {
-        const uint16_t *xr = x + r * k;
+    float v[ROWS][COLS];
+    for (int64_t r0 = 0; r0 < m; r0 += ROWS) {
+        const int rows = m - r0 < ROWS ? (int)(m - r0) : ROWS;
         int64_t j = j0;
-        for (; j + 4 <= j1; j += 4) {
-            float v[4];
-            dot4_bf16(xr, w + j * k, k, v);
-            for (int c = 0; c < 4; c++) store(y, r * n + j + c, v[c], bias, j + c, out_mode);
+        for (; j + COLS <= j1; j += COLS) {
+            switch (rows) { BF16_TILE(1, COLS) BF16_TILE(2, COLS) BF16_TILE(3, COLS) BF16_TILE(4, COLS) }
         }
-        for (; j < j1; j++) store(y, r * n + j, dot_bf16(xr, w + j * k, k), bias, j, out_mode);
+        for (; j < j1; j++) {
+            switch (rows) { BF16_TILE(1, 1) BF16_TILE(2, 1) BF16_TILE(3, 1) BF16_TILE(4, 1) }
+        }
     }
 }
 
@@ -163,21 +169,20 @@ int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const flo
     if (isa == ISA_GENERIC && (k % 8 || (w_elem_bytes != 2 && w_elem_bytes != 4))) return -1;
     if (isa == ISA_AVX512_BF16 && w_elem_bytes != 2) return -1;
     if (isa != ISA_GENERIC && isa != ISA_AVX512_BF16) return -1;
-    /* Column panels small enough to stay in L2 while every block of ROWS rows reads them; a multiple
-     * of 4 columns so the four-column path covers all but the last panel's tail. */
+    /* Column panels small enough to stay in L2 while every block of rows reads them, a multiple of
+     * COLS columns; with few rows (the pass over the weights is the work) at least 4 per thread. */
     int64_t cols = PANEL_BYTES / (k * w_elem_bytes);
-    cols = cols < 4 ? 4 : cols & ~(int64_t)3;
-    const int64_t row_blocks = (m + ROWS - 1) / ROWS;
-    /* Few rows: split the columns finely across threads (the pass over the weights is the work). */
-    if (m <= ROWS && (n + cols - 1) / cols < 4 * num_threads)
-        cols = ((n + 4 * num_threads - 1) / (4 * num_threads) + 3) & ~(int64_t)3;
-    const int64_t num_panels = (n + cols - 1) / cols;
+    cols = cols < COLS ? COLS : cols / COLS * COLS;
+    if (m <= 2 * ROWS && (n + cols - 1) / cols < 4 * num_threads)
+        cols = ((n + 4 * num_threads - 1) / (4 * num_threads) + COLS - 1) / COLS * COLS;
+    const int64_t num_panels = (n + cols - 1) / cols, row_chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
+    const int64_t y_row_bytes = n * (out_mode == OUT_BF16 ? 2 : 4);
 #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < num_panels; p++) {
-        for (int64_t rb = 0; rb < row_blocks; rb++) {
+        for (int64_t rc = 0; rc < row_chunks; rc++) {
             const int64_t j0 = p * cols, j1 = j0 + cols < n ? j0 + cols : n;
-            const int64_t r0 = rb * ROWS, rows = m - r0 < ROWS ? m - r0 : ROWS;
-            char *y_rows = (char *)y + r0 * n * (out_mode == OUT_BF16 ? 2 : 4);
+            const int64_t r0 = rc * ROW_CHUNK, rows = m - r0 < ROW_CHUNK ? m - r0 : ROW_CHUNK;
+            char *y_rows = (char *)y + r0 * y_row_bytes;
             if (isa == ISA_AVX512_BF16)
                 panel_bf16((const uint16_t *)x + r0 * k, (const uint16_t *)w, bias, y_rows, rows, n, k, j0, j1,
                            out_mode);

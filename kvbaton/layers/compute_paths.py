@@ -49,7 +49,7 @@ def _rows_kernel(plan: ComputePlan) -> SmallBatchLinear | DotLinear | None:
         return small_batch_linear()
     if code in ("dot-avx512bf16", "dot-generic"):
         every_count = plan.many_rows_linear == code
-        return dot_linear(code == "dot-avx512bf16", max_rows=None if every_count else plan.FEW_ROWS)
+        return dot_linear(code == "dot-avx512bf16", max_rows=None if every_count else plan.few_rows)
     return None
 
 

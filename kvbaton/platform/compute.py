@@ -8,7 +8,8 @@ replaces the row by its batch-invariant variant.
 Why these rows (2-core machines, SmolLM2-135M, benchmarks/results/platform.md):
 - avx512-bf16 (CPUs with AVX512-BF16 / AMX): bf16 is native, so oneDNN's bf16 GEMMs (AMX tiles)
   take many rows and SDPA's flash kernel the prefill attention (both beat kvbaton's AVX2-tuned C
-  there); a few rows (decode) stream the weights through `vdpbf16ps` at ~1.5-2x oneDNN's bandwidth.
+  there); up to 4 rows (decode) stream the weights through `vdpbf16ps` at ~1.5-2x oneDNN's bandwidth,
+  and the fused residual-add + RMSNorm kernel replaces torch's bf16 rms_norm (~100 us a call).
 - avx2 (AVX2 without native bf16): bf16 GEMMs are emulated, so kvbaton's C kernels take every
   linear: a streaming kernel for a few rows, a packed fp32-accumulating GEMM (gate/up fused with
   SiLU) for many, and a fused residual-add + RMSNorm.
@@ -41,14 +42,15 @@ AttentionCode = Literal["c", "c+sdpa", "c-per-token", "torch"]
 class ComputePlan:
     path: str  # the table's row (one of COMPUTE_PATHS but "auto")
     dtype: str  # "bfloat16" | "float32"
-    few_rows_linear: LinearCode  # up to FEW_ROWS rows: decode steps
+    few_rows_linear: LinearCode  # up to `few_rows` rows: decode steps
     many_rows_linear: LinearCode  # more rows: prefill chunks, big decode batches
     norm: NormCode
     attention: AttentionCode
     deterministic: bool
     reason: str  # why this row
-
-    FEW_ROWS = 8  # the streaming kernels' row limit (linear_bf16.c's MAX_ROWS)
+    # where few_rows_linear stops: linear_bf16.c's MAX_ROWS; the dot kernel ties oneDNN's AMX GEMM at ~8
+    # rows of decode shapes and loses beyond, so it stops at 4 (Xeon, 2 cores)
+    few_rows: int = 8
 
     @property
     def uses_kernels(self) -> bool:
@@ -56,7 +58,7 @@ class ComputePlan:
 
     def summary(self) -> str:
         linears = (self.few_rows_linear if self.few_rows_linear == self.many_rows_linear
-                   else f"{self.few_rows_linear} (<= {self.FEW_ROWS} rows) / {self.many_rows_linear}")
+                   else f"{self.few_rows_linear} (<= {self.few_rows} rows) / {self.many_rows_linear}")
         mode = ", deterministic" if self.deterministic else ""
         return (f"{self.path}{mode} [{self.dtype}]: linears {linears}; norms {self.norm}; attention "
                 f"{self.attention} ({self.reason})")
@@ -116,7 +118,7 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
         "torch": ("torch", "torch" if native_bf16 else "torch-fp32", "torch", "torch"),
     }
     few, many, norm, attention = rows[path]
-    return ComputePlan(path, dtype, few, many, norm, attention, False, reason)
+    return ComputePlan(path, dtype, few, many, norm, attention, False, reason, 4 if few == "dot-avx512bf16" else 8)
 
 
 def _deterministic(plan: ComputePlan, cpu: CPUInfo, kernels_available: bool) -> ComputePlan:
