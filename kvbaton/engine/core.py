@@ -30,10 +30,10 @@ from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
 from kvbaton.engine.transfers import KVHandoff, Reservation
+from kvbaton.kernels import cpu_kernels
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import allocate_pools
-from kvbaton.kernels import cpu_kernels
 from kvbaton.layers.compute_paths import apply_compute_plan
 from kvbaton.models.llama import LlamaForCausalLM
 from kvbaton.models.loader import load_model

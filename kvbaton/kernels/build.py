@@ -89,7 +89,8 @@ def cpu_kernels() -> ctypes.CDLL | None:
     digest = hashlib.sha256()
     for s in (*SOURCES, *HEADERS):
         digest.update(Path(__file__).with_name(s).read_bytes())
-    digest.update(" ".join((*CFLAGS, *LDFLAGS, repr(sorted(SOURCE_FLAGS.items())))).encode() + compiler.encode() + _cpu_fingerprint().encode())
+    flags = (*CFLAGS, *LDFLAGS, repr(sorted(SOURCE_FLAGS.items())))
+    digest.update(" ".join(flags).encode() + compiler.encode() + _cpu_fingerprint().encode())
     out = kernels_dir() / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
     try:
         if not out.exists():
