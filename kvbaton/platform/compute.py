@@ -80,7 +80,7 @@ def choose_compute_plan(cpu: CPUInfo, dtype: str, requested: str = "auto", deter
         path, reason = _auto_path(cpu, kernels_available)
     _check_runs_here(path, cpu, kernels_available)
     plan = _row(path, dtype, reason, cpu.native_bf16)
-    return _deterministic(plan, cpu, kernels_available) if deterministic else plan
+    return _deterministic(plan, kernels_available) if deterministic else plan
 
 
 def _auto_path(cpu: CPUInfo, kernels_available: bool) -> tuple[str, str]:
@@ -121,14 +121,17 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
     return ComputePlan(path, dtype, few, many, norm, attention, False, reason, 4 if few == "dot-avx512bf16" else 8)
 
 
-def _deterministic(plan: ComputePlan, cpu: CPUInfo, kernels_available: bool) -> ComputePlan:
+def _deterministic(plan: ComputePlan, kernels_available: bool) -> ComputePlan:
     """Batch-invariant variant: every linear one fixed-order dot product per output for any row count,
     the residual-add + norm kernel row by row, every token (prefill ones too) attending as a decode
     query over one unsplit context. All of it is C: PyTorch's GEMMs choose their blocking by shape."""
     if not kernels_available or plan.path == "torch":
         raise ConfigError("--deterministic needs kvbaton's C kernels (the batch-invariant linear and attention), "
                           "which the 'torch' compute path does not use or could not be built here")
-    linear: LinearCode = "dot-avx512bf16" if plan.dtype == "bfloat16" and cpu.avx512_bf16 else "dot-generic"
+    # NOTE: by the row, not the CPU: `--compute-path avx2 --deterministic` is the AVX2 machines' setup, so it can be
+    # checked against the avx512-bf16 one on one machine (the two differ from each other, each is batch-invariant).
+    native = plan.dtype == "bfloat16" and plan.path == "avx512-bf16"
+    linear: LinearCode = "dot-avx512bf16" if native else "dot-generic"
     norm: NormCode = "c" if plan.dtype == "bfloat16" else "torch"
     return replace(plan, few_rows_linear=linear, many_rows_linear=linear, norm=norm, attention="c-per-token",
                    deterministic=True)

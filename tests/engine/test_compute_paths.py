@@ -21,7 +21,7 @@ from kvbaton.platform.cpu import detect_cpu
 
 # (path, deterministic): every row of the table, and the deterministic variant of this CPU's own row
 VARIANTS = [pytest.param(p, False, id=p) for p in COMPUTE_PATHS if p != "auto"] + [
-    pytest.param("auto", True, id="deterministic")]
+    pytest.param("auto", True, id="deterministic"), pytest.param("avx2", True, id="avx2-deterministic")]
 # bf16 vs fp32 on the real default model: next-token log-probabilities of the top 10 tokens
 BF16_LOGPROB_TOLERANCE = 0.25  # measured worst: 0.16 (avx512-bf16, Xeon)
 

@@ -23,8 +23,17 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_deterministic_output_is_independent_of_batching_chunking_and_threads(default_model_dir, threads):
-    llm = LLM(str(default_model_dir), dtype="bfloat16", deterministic=True, num_threads=2)
+@pytest.mark.parametrize("path", ["auto", "avx2"])  # this CPU's row, and the AVX2 machines' (dot-generic)
+def test_deterministic_output_is_independent_of_batching_chunking_and_threads(default_model_dir, threads, path):
+    from kvbaton.config import ConfigError
+    from kvbaton.platform.compute import choose_compute_plan
+    from kvbaton.platform.cpu import detect_cpu
+
+    try:
+        choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic=True)
+    except ConfigError as exc:
+        pytest.skip(f"this CPU cannot run it: {exc}")
+    llm = LLM(str(default_model_dir), dtype="bfloat16", deterministic=True, num_threads=2, compute_path=path)
     assert llm.engine.core.compute_plan.deterministic
     prompts = deterministic_prompts(llm.engine.model_config.vocab_size, 32)
     alone = [greedy(llm, MAX_NEW, [p])[0] for p in prompts[:8]]
@@ -32,6 +41,6 @@ def test_deterministic_output_is_independent_of_batching_chunking_and_threads(de
     assert greedy(llm, MAX_NEW, prompts)[:8] == alone  # 32 at once: decodes batched with other prompts' prefill chunks
     # a 16-token budget: every prompt over 16 tokens is prefilled in chunks, beside other requests' decodes
     chunked = LLM(str(default_model_dir), dtype="bfloat16", deterministic=True, num_threads=1,
-                  max_num_batched_tokens=16, enable_prefix_caching=False)
+                  max_num_batched_tokens=16, enable_prefix_caching=False, compute_path=path)
     assert chunked.engine.core.runner.decode_kernel.num_threads == 1
     assert greedy(chunked, MAX_NEW, prompts[:8]) == alone
