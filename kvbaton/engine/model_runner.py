@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbaton.config import ConfigError
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TransferFailure
 from kvbaton.engine.sampler import SamplingRow, sample
 from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
@@ -51,7 +52,8 @@ class ModelRunner:
                               if attention != "torch" else None)
         self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if attention == "c" else None  # c+sdpa: SDPA
         if self.per_token_attention and self.decode_kernel is None:
-            raise ValueError(f"deterministic attention needs the C decode kernel, which does not take {shape}")
+            raise ConfigError(f"--deterministic needs the C decode-attention kernel, which does not take this model's "
+                              f"(heads, kv heads, head dim) = {shape}")
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
