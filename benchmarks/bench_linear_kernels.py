@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from common.machine import cpu_name, kvbaton_commit
 from common.report import RESULTS_DIR, command_line
-from kvbaton.kernels import dot_linear, pack_linear, small_batch_linear
+from kvbaton.kernels import dot_linear, pack_amx, pack_linear, small_batch_linear
+from kvbaton.kernels.linear import amx_enabled
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
 
@@ -54,6 +55,8 @@ def kernels(rows: int) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Ten
     if cpu.avx512_bf16:
         dot = dot_linear(True, max_rows=None)
         out["dot-avx512bf16"] = lambda w: lambda x: dot(x, w, None)
+    if cpu.amx_bf16 and amx_enabled():
+        out["amx"] = lambda w: (lambda p: lambda x: p(x))(pack_amx(w, None, None))
     generic = dot_linear(False, max_rows=None)
     out["dot-generic (deterministic, AVX2)"] = lambda w: lambda x: generic(x, w, None)
     if rows <= 8:

@@ -9,16 +9,33 @@ from kvbaton.kernels.build import cpu_kernels
 from kvbaton.kernels.copy import copy_rows_kernel
 from kvbaton.kernels.linear import (
     MAX_LINEAR_ROWS,
+    AMXLinear,
     DotLinear,
     PackedLinear,
     SmallBatchLinear,
     dot_linear,
+    pack_amx,
     pack_linear,
     small_batch_linear,
 )
 from kvbaton.kernels.norm import AddRMSNorm, add_rms_norm_kernel
 
-__all__ = ["MAX_LINEAR_ROWS", "AddRMSNorm", "DotLinear", "PackedLinear", "PagedDecodeKernel", "PagedPrefillKernel",
-           "SmallBatchLinear",
-           "add_rms_norm_kernel", "copy_rows_kernel", "cpu_kernels", "dot_linear", "pack_linear", "paged_decode_kernel",
-           "paged_prefill_kernel", "small_batch_linear"]
+__all__ = [
+    "MAX_LINEAR_ROWS",
+    "AMXLinear",
+    "AddRMSNorm",
+    "DotLinear",
+    "PackedLinear",
+    "PagedDecodeKernel",
+    "PagedPrefillKernel",
+    "SmallBatchLinear",
+    "add_rms_norm_kernel",
+    "copy_rows_kernel",
+    "cpu_kernels",
+    "dot_linear",
+    "pack_amx",
+    "pack_linear",
+    "paged_decode_kernel",
+    "paged_prefill_kernel",
+    "small_batch_linear",
+]

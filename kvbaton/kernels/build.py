@@ -24,7 +24,7 @@ from kvbaton.paths import kernels_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c",
-           "linear_dot.c")
+           "linear_dot.c", "gemm_amx.c")
 HEADERS = ("vec8.h",)
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C signatures: name -> (return type, argument types); the sources document each argument.
@@ -36,6 +36,8 @@ SIGNATURES = {
     "kvbaton_add_rms_norm_bf16": (None, [_p, _p, _p, _p, _p, _i64, _i64, _f, _i]),
     "kvbaton_copy_rows": (None, [_p, _p, _p, _p, _i64, _i64, _i]),
     "kvbaton_linear_dot": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i, _i]),
+    "kvbaton_gemm_amx": (_i, [_p, _p, _p, _p, _i, _i64, _i64, _i64, _i]),
+    "kvbaton_amx_enable": (_i, []),
 }
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
@@ -43,9 +45,9 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 # constructor turns on flush-to-zero / denormals-are-zero for the whole process as soon as it is loaded:
 # every float parsed there after (a request's top_p of 5e-324 read as 0.0) and torch's own arithmetic.
 LDFLAGS = ("-fopenmp", "-shared")
-# Per-source flags, after CFLAGS (so they override): the batch-invariant kernel must not let the compiler
-# reorder its sums (see linear_dot.c).
-SOURCE_FLAGS = {"linear_dot.c": ("-fno-fast-math",)}
+# Per-source flags, after CFLAGS (so they override): the batch-invariant kernels must not let the compiler
+# reorder their sums (see linear_dot.c).
+SOURCE_FLAGS = {"linear_dot.c": ("-fno-fast-math",), "gemm_amx.c": ("-fno-fast-math",)}
 
 
 def _cpu_fingerprint() -> str:

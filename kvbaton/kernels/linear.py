@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -162,3 +163,71 @@ def dot_linear(avx512_bf16: bool, max_rows: int | None = MAX_LINEAR_ROWS) -> Dot
     lib = cpu_kernels()
     return None if lib is None else DotLinear(lib, torch.get_num_threads(), avx512_bf16, max_rows)
 
+
+
+AMX_TILE_K = 32  # gemm_amx.c's TILE_K: K in multiples of this
+
+
+class AMXLinear:
+    """`kvbaton_gemm_amx`: x W^T (+ b) on AMX tiles, over weights packed once into 1 KiB B tiles
+    ([N/16][K/32][16 k-pairs][16 columns][2]; gemm_amx.c). Batch-invariant (an output's sums never depend
+    on the rows beside it), so it takes the rows up to `max_rows`, or every count (None)."""
+
+    def __init__(self, lib: ctypes.CDLL, num_threads: int, weight: torch.Tensor, bias: torch.Tensor | None,
+                 max_rows: int | None) -> None:
+        n, k = weight.shape
+        if not self.supports_weight(weight):
+            raise ValueError(f"the AMX GEMM takes bf16 weights with K a multiple of {AMX_TILE_K}, not "
+                             f"{weight.dtype} {(n, k)}")
+        self._fn = lib.kvbaton_gemm_amx
+        self.num_threads = num_threads
+        self.max_rows = max_rows
+        self.in_features, self.out_features = k, n
+        blocks = -(-n // PANEL)
+        padded = torch.zeros(blocks * PANEL, k, dtype=torch.bfloat16)
+        padded[:n] = weight.detach()
+        # [N/16, 16 columns, K/32, 16 k-pairs, 2] -> [N/16, K/32, 16 k-pairs, 16 columns, 2]: one B tile per 1 KiB
+        self.weight = padded.view(blocks, PANEL, k // AMX_TILE_K, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+        self.bias = None
+        if bias is not None:
+            self.bias = torch.zeros(blocks * PANEL, dtype=torch.float32)
+            self.bias[:n] = bias.detach().float()
+
+    @staticmethod
+    def supports_weight(weight: torch.Tensor) -> bool:
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % AMX_TILE_K == 0
+
+    def handles_rows(self, x: torch.Tensor) -> bool:
+        return self.max_rows is None or x.numel() // x.shape[-1] <= self.max_rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        k, n = self.in_features, self.out_features
+        rows = x.numel() // k
+        if rows == 0:
+            return x.new_empty(*x.shape[:-1], n)
+        x16 = x.reshape(rows, k).to(torch.bfloat16).contiguous()
+        out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
+        y = torch.empty(rows, n, dtype=out_dtype)
+        rc = self._fn(x16.data_ptr(), self.weight.data_ptr(), 0 if self.bias is None else self.bias.data_ptr(),
+                      y.data_ptr(), _OUT_BF16 if out_dtype == torch.bfloat16 else _OUT_F32, rows, n, k,
+                      self.num_threads)
+        if rc != 0:
+            raise ValueError(f"AMX GEMM: unsupported shape x {tuple(x.shape)}, w {(n, k)}")
+        y = y.view(*x.shape[:-1], n)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
+def pack_amx(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None) -> AMXLinear | None:
+    """`weight` packed for the AMX GEMM; None without the kernels, for a weight it does not take, or where
+    the OS refuses this process the AMX state."""
+    lib = cpu_kernels()
+    if lib is None or not AMXLinear.supports_weight(weight) or not amx_enabled():
+        return None
+    return AMXLinear(lib, torch.get_num_threads(), weight, bias, max_rows)
+
+
+@functools.cache
+def amx_enabled() -> bool:
+    """Ask Linux for the AMX register state (once per process: the grant is the process's for good)."""
+    lib = cpu_kernels()
+    return lib is not None and lib.kvbaton_amx_enable() == 0

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from kvbaton.config import ConfigError
-from kvbaton.kernels import add_rms_norm_kernel, dot_linear, pack_linear, small_batch_linear
+from kvbaton.kernels import add_rms_norm_kernel, dot_linear, pack_amx, pack_linear, small_batch_linear
 from kvbaton.kernels.linear import DotLinear, SmallBatchLinear
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
@@ -18,6 +18,9 @@ from kvbaton.platform.compute import ComputePlan
 UPCAST_MIN_ROWS = 16
 # bf16 models up to this size also keep an fp32 copy of their weights for many-row steps.
 FP32_WEIGHT_COPY_MAX_BYTES = 2**30
+# The AMX GEMM keeps its own tile-packed copy of each weight (the original stays for the dot kernel and the
+# embedding): up to this size; a bigger model computes many rows in oneDNN (deterministic: the dot kernel).
+AMX_WEIGHT_COPY_MAX_BYTES = 4 * 2**30
 
 
 def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
@@ -39,7 +42,8 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
             module.kernel = norm_kernel if suits else None
     for module in model.modules():
         if isinstance(module, Linear):
-            _apply_to_linear(module, plan, rows_kernel, keep_fp32, packed=module not in gated)
+            _apply_to_linear(module, plan, rows_kernel, keep_fp32, packed=module not in gated,
+                             tiles_fit=weight_bytes <= AMX_WEIGHT_COPY_MAX_BYTES)
 
 
 def _rows_kernel(plan: ComputePlan) -> SmallBatchLinear | DotLinear | None:
@@ -54,10 +58,15 @@ def _rows_kernel(plan: ComputePlan) -> SmallBatchLinear | DotLinear | None:
 
 
 def _apply_to_linear(linear: Linear, plan: ComputePlan, rows_kernel: SmallBatchLinear | DotLinear | None,
-                     keep_fp32: bool, packed: bool) -> None:
+                     keep_fp32: bool, packed: bool, tiles_fit: bool) -> None:
+    tiles = plan.many_rows_linear == "amx"
+    linear.tile_kernel = pack_amx(linear.weight, linear.bias, plan.tile_rows) if tiles and tiles_fit else None
+    if plan.deterministic and tiles and linear.tile_kernel is None:
+        # a weight the tiles do not take (K not a multiple of 32): the dot kernel, for every row count
+        rows_kernel = dot_linear(True, max_rows=None)
     suits = rows_kernel is not None and rows_kernel.supports_weight(linear.weight)
     linear.rows_kernel = rows_kernel if suits else None
-    if plan.deterministic and not suits:
+    if plan.deterministic and not (suits or linear.tile_kernel is not None):
         raise ConfigError(f"--deterministic: the batch-invariant linear kernel does not take a {linear.weight.dtype} "
                           f"weight of shape {tuple(linear.weight.shape)}")
     packed_dtype = torch.float32 if keep_fp32 else linear.weight.dtype

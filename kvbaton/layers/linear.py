@@ -2,6 +2,8 @@
 (`kvbaton.layers.compute_paths`):
 - `rows_kernel`: a C kernel for the row counts it handles: a few rows streaming the weights at memory
   speed (decode), or, in deterministic mode, every row count through one fixed-order dot product;
+- `tile_kernel`: kvbaton's AMX GEMM over its own packed weights, for the row counts it handles
+  (more than `rows_kernel` takes; every count in deterministic mode);
 - `packed`: an fp32-accumulating GEMM over weights packed once at load time (many rows, AVX2 CPUs,
   where bf16 GEMMs are emulated and lose to fp32 ones);
 - `upcast_min_rows`: without kernels on such CPUs, that many rows or more compute in fp32 in PyTorch
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbaton.kernels import DotLinear, PackedLinear, SmallBatchLinear
+from kvbaton.kernels import AMXLinear, DotLinear, PackedLinear, SmallBatchLinear
 
 
 class Linear(nn.Linear):
@@ -23,6 +25,7 @@ class Linear(nn.Linear):
     rows_kernel: SmallBatchLinear | DotLinear | None = None  # C kernel for the row counts it handles
     fp32_weight: torch.Tensor | None = None  # kept fp32 copy for the upcast path (small models only)
     packed: PackedLinear | None = None  # the many-row C kernel with its packed weights
+    tile_kernel: AMXLinear | None = None  # the AMX GEMM with its packed weights
 
     def takes_rows_kernel(self, x: torch.Tensor) -> bool:
         return self._rows_kernel_for(x) is not None
@@ -35,6 +38,9 @@ class Linear(nn.Linear):
         rows_kernel = self._rows_kernel_for(x)
         if rows_kernel is not None:
             return rows_kernel(x, self.weight, self.bias)
+        tile_kernel = self.tile_kernel
+        if tile_kernel is not None and tile_kernel.handles_rows(x):
+            return tile_kernel(x)
         if self.packed is not None:
             return self.packed(x)
         rows = self.upcast_min_rows

@@ -6,10 +6,12 @@ Every engine picks one `ComputePlan` at start-up (`choose_compute_plan`), logs i
 replaces the row by its batch-invariant variant.
 
 Why these rows (2-core machines, SmolLM2-135M, benchmarks/results/platform.md):
-- avx512-bf16 (CPUs with AVX512-BF16 / AMX): bf16 is native, so oneDNN's bf16 GEMMs (AMX tiles)
-  take many rows and SDPA's flash kernel the prefill attention (both beat kvbaton's AVX2-tuned C
-  there); up to 4 rows (decode) stream the weights through `vdpbf16ps` at ~1.5-2x oneDNN's bandwidth,
-  and the fused residual-add + RMSNorm kernel replaces torch's bf16 rms_norm (~100 us a call).
+- amx (AVX512-BF16 and AMX-BF16: Sapphire Rapids and later): up to 4 rows (decode) stream the
+  weights through `vdpbf16ps` at ~1.5-2x oneDNN's bandwidth; more rows run kvbaton's AMX tile
+  GEMM (faster than oneDNN's on decode batches, and batch-invariant); SDPA's flash kernel takes
+  prefill attention (it beats kvbaton's AVX2-tuned C there), and the fused residual-add + RMSNorm
+  kernel replaces torch's bf16 rms_norm (~100 us a call).
+- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): as amx, with oneDNN for many rows.
 - avx2 (AVX2 without native bf16): bf16 GEMMs are emulated, so kvbaton's C kernels take every
   linear: a streaming kernel for a few rows, a packed fp32-accumulating GEMM (gate/up fused with
   SiLU) for many, and a fused residual-add + RMSNorm.
@@ -26,12 +28,12 @@ from typing import Literal
 from kvbaton.config import ConfigError
 from kvbaton.platform.cpu import CPUInfo
 
-COMPUTE_PATHS = ("auto", "avx512-bf16", "avx2", "onednn", "torch")
+COMPUTE_PATHS = ("auto", "amx", "avx512-bf16", "avx2", "onednn", "torch")
 
 # What computes a linear layer: kvbaton's C kernels (dot-avx512bf16 / dot-generic: linear_dot.c;
-# stream-avx2: linear_bf16.c; packed: gemm_packed.c) or PyTorch ("torch": oneDNN for bf16 on native
+# stream-avx2: linear_bf16.c; packed: gemm_packed.c; amx: gemm_amx.c) or PyTorch ("torch": oneDNN for bf16 on native
 # CPUs, MKL for fp32; "torch-fp32": upcast to fp32 first, for emulated bf16 without kernels).
-LinearCode = Literal["dot-avx512bf16", "dot-generic", "stream-avx2", "packed", "torch", "torch-fp32"]
+LinearCode = Literal["dot-avx512bf16", "dot-generic", "stream-avx2", "packed", "amx", "torch", "torch-fp32"]
 NormCode = Literal["c", "torch"]
 # c: the C kernels for decode and prefill; c+sdpa: C decode, PyTorch's fused SDPA (flash) for prefill;
 # c-per-token: every token attends as a decode query over its unsplit context (batch-invariant)
@@ -51,14 +53,18 @@ class ComputePlan:
     # where few_rows_linear stops: linear_bf16.c's MAX_ROWS; the dot kernel ties oneDNN's AMX GEMM at ~8
     # rows of decode shapes and loses beyond, so it stops at 4 (Xeon, 2 cores)
     few_rows: int = 8
+    # amx: the tile GEMM takes up to this many rows (None: every count), oneDNN beyond: at 2048 rows its
+    # blocking beats ours (3.2 vs 5.1 ms on gate/up), up to 512 ours is as fast or faster (Xeon, 2 cores)
+    tile_rows: int | None = None
 
     @property
     def uses_kernels(self) -> bool:
         return self.path != "torch"
 
     def summary(self) -> str:
+        many = self.many_rows_linear + (f" (<= {self.tile_rows} rows) / torch" if self.tile_rows else "")
         linears = (self.few_rows_linear if self.few_rows_linear == self.many_rows_linear
-                   else f"{self.few_rows_linear} (<= {self.few_rows} rows) / {self.many_rows_linear}")
+                   else f"{self.few_rows_linear} (<= {self.few_rows} rows) / {many}")
         mode = ", deterministic" if self.deterministic else ""
         return (f"{self.path}{mode} [{self.dtype}]: linears {linears}; norms {self.norm}; attention "
                 f"{self.attention} ({self.reason})")
@@ -86,8 +92,10 @@ def choose_compute_plan(cpu: CPUInfo, dtype: str, requested: str = "auto", deter
 def _auto_path(cpu: CPUInfo, kernels_available: bool) -> tuple[str, str]:
     if not kernels_available:
         return "torch", "the C kernels could not be built here (no compiler, or KVBATON_KERNELS=0)"
+    if cpu.avx512_bf16 and cpu.amx_bf16:
+        return "amx", "this CPU has native bf16 (AVX512-BF16 and AMX tiles)"
     if cpu.avx512_bf16:
-        return "avx512-bf16", "this CPU has native bf16 (AVX512-BF16)"
+        return "avx512-bf16", "this CPU has native bf16 (AVX512-BF16, no AMX)"
     if cpu.native_bf16:  # AMX without AVX512-BF16: no such CPU ships today, but oneDNN would use it
         return "onednn", "this CPU has native bf16 (AMX)"
     if cpu.arch in ("x86_64", "AMD64") and cpu.avx2:
@@ -99,6 +107,9 @@ def _check_runs_here(path: str, cpu: CPUInfo, kernels_available: bool) -> None:
     if path != "torch" and not kernels_available:
         raise ConfigError(f"compute path {path!r} needs kvbaton's C kernels, which could not be built here "
                           "(no C compiler, or KVBATON_KERNELS=0); use --compute-path torch")
+    if path == "amx" and not (cpu.amx_bf16 and cpu.avx512_bf16):
+        raise ConfigError("compute path 'amx' needs a CPU with AMX-BF16 and AVX512-BF16; this one has: "
+                          f"{cpu.summary()}")
     if path == "avx512-bf16" and not cpu.avx512_bf16:
         raise ConfigError("compute path 'avx512-bf16' needs a CPU with AVX512-BF16; this one has: "
                           f"{cpu.summary()}")
@@ -111,6 +122,7 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
         attention: AttentionCode = "torch" if path == "torch" else "c"
         return ComputePlan(path, dtype, "torch", "torch", "torch", attention, False, reason)
     rows: dict[str, tuple[LinearCode, LinearCode, NormCode, AttentionCode]] = {
+        "amx": ("dot-avx512bf16", "amx", "c", "c+sdpa"),
         "avx512-bf16": ("dot-avx512bf16", "torch", "c", "c+sdpa"),
         "avx2": ("stream-avx2", "packed", "c", "c"),
         "onednn": ("torch", "torch", "torch", "c"),
@@ -118,11 +130,13 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
         "torch": ("torch", "torch" if native_bf16 else "torch-fp32", "torch", "torch"),
     }
     few, many, norm, attention = rows[path]
-    return ComputePlan(path, dtype, few, many, norm, attention, False, reason, 4 if few == "dot-avx512bf16" else 8)
+    return ComputePlan(path, dtype, few, many, norm, attention, False, reason, 4 if few == "dot-avx512bf16" else 8,
+                       tile_rows=512 if many == "amx" else None)
 
 
 def _deterministic(plan: ComputePlan, kernels_available: bool) -> ComputePlan:
-    """Batch-invariant variant: every linear one fixed-order dot product per output for any row count,
+    """Batch-invariant variant: every linear one fixed-order sum per output for any row count (AMX tiles or a
+    dot product),
     the residual-add + norm kernel row by row, every token (prefill ones too) attending as a decode
     query over one unsplit context. All of it is C: PyTorch's GEMMs choose their blocking by shape."""
     if not kernels_available or plan.path == "torch":
@@ -130,8 +144,10 @@ def _deterministic(plan: ComputePlan, kernels_available: bool) -> ComputePlan:
                           "which the 'torch' compute path does not use or could not be built here")
     # NOTE: by the row, not the CPU: `--compute-path avx2 --deterministic` is the AVX2 machines' setup, so it can be
     # checked against the avx512-bf16 one on one machine (the two differ from each other, each is batch-invariant).
-    native = plan.dtype == "bfloat16" and plan.path == "avx512-bf16"
-    linear: LinearCode = "dot-avx512bf16" if native else "dot-generic"
+    linear: LinearCode = "dot-generic"
+    if plan.dtype == "bfloat16" and plan.path in ("amx", "avx512-bf16"):
+        # amx: AMX tiles for every row count, and the vdpbf16ps dot kernel for a weight they do not take
+        linear = "amx" if plan.path == "amx" else "dot-avx512bf16"
     norm: NormCode = "c" if plan.dtype == "bfloat16" else "torch"
     return replace(plan, few_rows_linear=linear, many_rows_linear=linear, norm=norm, attention="c-per-token",
-                   deterministic=True)
+                   deterministic=True, tile_rows=None)

@@ -14,14 +14,14 @@ from helpers import TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError
-from kvbaton.kernels.linear import ISA_AVX512_BF16, DotLinear, SmallBatchLinear
+from kvbaton.kernels.linear import ISA_AVX512_BF16, AMXLinear, DotLinear, SmallBatchLinear
 from kvbaton.layers.linear import Linear
 from kvbaton.platform.compute import COMPUTE_PATHS, ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
 
 # (path, deterministic): every row of the table, and the deterministic variant of this CPU's own row
 VARIANTS = [pytest.param(p, False, id=p) for p in COMPUTE_PATHS if p != "auto"] + [
-    pytest.param("auto", True, id="deterministic"), pytest.param("avx2", True, id="avx2-deterministic")]
+    pytest.param(p, True, id=f"{p}-deterministic") for p in COMPUTE_PATHS if p not in ("auto", "onednn", "torch")]
 # bf16 vs fp32 on the real default model: next-token log-probabilities of the top 10 tokens
 BF16_LOGPROB_TOLERANCE = 0.25  # measured worst: 0.16 (avx512-bf16, Xeon)
 
@@ -51,6 +51,7 @@ def assert_model_follows(model: torch.nn.Module, plan: ComputePlan) -> None:
         fused = any(linear is m.gate_up_proj and m.fused_gate_up is not None for m in mlps)
         assert (linear.packed is not None or fused) == (plan.many_rows_linear == "packed")
         assert (linear.upcast_min_rows is not None) == (plan.many_rows_linear == "torch-fp32")
+        assert isinstance(linear.tile_kernel, AMXLinear) == (plan.many_rows_linear == "amx")  # K % 32 == 0 here
     assert (model.norm.kernel is not None) == (plan.norm == "c")
 
 
@@ -59,7 +60,7 @@ def test_engine_takes_this_cpus_row(tiny_models):
     plan = engine.core.compute_plan
     assert plan == choose_compute_plan(detect_cpu(), "bfloat16")
     cpu = detect_cpu()
-    expected = "avx512-bf16" if cpu.avx512_bf16 else "avx2" if cpu.avx2 else "onednn"
+    expected = ("amx" if cpu.amx_bf16 else "avx512-bf16") if cpu.avx512_bf16 else "avx2" if cpu.avx2 else "onednn"
     assert plan.path == expected
     assert_model_follows(engine.core.runner.model, plan)
     assert engine.info.compute_path == plan.summary()

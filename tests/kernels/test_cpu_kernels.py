@@ -19,7 +19,7 @@ from kvbaton.kernels import (
     paged_prefill_kernel,
     small_batch_linear,
 )
-from kvbaton.kernels.linear import dot_linear
+from kvbaton.kernels.linear import amx_enabled, dot_linear, pack_amx
 from kvbaton.platform.cpu import detect_cpu
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
@@ -126,6 +126,30 @@ def test_dot_linear_is_batch_invariant(avx512_bf16, weight_dtype):
         assert torch.equal(kernel(x[rows], weight, None), full[rows])
     kernel.num_threads = 1
     assert torch.equal(kernel(x, weight, None), full)
+
+
+needs_amx = pytest.mark.skipif(not (detect_cpu().amx_bf16 and amx_enabled()),
+                               reason="this CPU has no AMX-BF16 (or the OS does not grant this process the AMX state)")
+
+
+@needs_amx
+@pytest.mark.parametrize("n, k, bias", [(100, 64, True), (3072, 576, False), (49152, 576, False)])
+def test_amx_linear_matches_fp32_and_is_batch_invariant(n, k, bias):
+    torch.manual_seed(n)
+    weight, x = torch.randn(n, k).bfloat16(), torch.randn(37, k).bfloat16()
+    b = torch.randn(n) if bias else None
+    kernel = pack_amx(weight, b, max_rows=None)
+    out = kernel(x)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), weight.float(), b), atol=2e-2 * k**0.5, rtol=2**-7)
+    for rows in (slice(0, 1), slice(9, 10), slice(3, 20), slice(16, 37)):  # across 16-row tile boundaries
+        assert torch.equal(kernel(x[rows]), out[rows])
+    kernel.num_threads = 1
+    assert torch.equal(kernel(x), out)
+
+
+def test_amx_refuses_what_it_cannot_take():
+    assert pack_amx(torch.randn(64, 72).bfloat16(), None, None) is None  # K not a multiple of 32
+    assert pack_amx(torch.randn(64, 64), None, None) is None  # fp32
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])

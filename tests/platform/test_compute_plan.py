@@ -12,8 +12,8 @@ from kvbaton.platform.compute import COMPUTE_PATHS, choose_compute_plan
 from kvbaton.platform.cpu import CPUInfo, detect_cpu, parse_cpuinfo
 
 EPYC_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi2 sha_ni"  # the AVX2-only machines here
-XEON_FLAGS = (EPYC_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx_vnni avx512_bf16 amx_bf16 amx_tile"
-              " amx_int8")  # Sapphire Rapids
+ZEN4_FLAGS = EPYC_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"  # AVX512-BF16, no AMX
+XEON_FLAGS = ZEN4_FLAGS + " avx_vnni amx_bf16 amx_tile amx_int8"  # Sapphire Rapids
 
 
 def cpu(flags: str, arch: str = "x86_64") -> CPUInfo:
@@ -39,7 +39,8 @@ def test_detect_cpu_agrees_with_proc_cpuinfo():
 
 @pytest.mark.parametrize("flags, path, few, many, norm, attention", [
     (EPYC_FLAGS, "avx2", "stream-avx2", "packed", "c", "c"),
-    (XEON_FLAGS, "avx512-bf16", "dot-avx512bf16", "torch", "c", "c+sdpa"),
+    (XEON_FLAGS, "amx", "dot-avx512bf16", "amx", "c", "c+sdpa"),
+    (ZEN4_FLAGS, "avx512-bf16", "dot-avx512bf16", "torch", "c", "c+sdpa"),
     ("fp asimd", "onednn", "torch", "torch", "torch", "c"),  # no kvbaton linear kernels off x86 (arch below)
 ])
 def test_auto_row_per_machine_kind(flags, path, few, many, norm, attention):
@@ -58,13 +59,13 @@ def test_without_kernels_everything_is_pytorch():
 
 
 def test_float32_uses_pytorch_gemms_on_every_path():
-    for path in ("avx512-bf16", "avx2", "onednn"):
+    for path in ("amx", "avx512-bf16", "avx2", "onednn"):
         plan = choose_compute_plan(cpu(XEON_FLAGS), "float32", path)
         assert (plan.few_rows_linear, plan.many_rows_linear, plan.attention) == ("torch", "torch", "c")
 
 
 @pytest.mark.parametrize("path, flags, needs", [
-    ("avx512-bf16", EPYC_FLAGS, "AVX512-BF16"), ("avx2", "sse sse2", "AVX2"),
+    ("amx", ZEN4_FLAGS, "AMX-BF16"), ("avx512-bf16", EPYC_FLAGS, "AVX512-BF16"), ("avx2", "sse sse2", "AVX2"),
 ])
 def test_a_path_this_cpu_cannot_run_is_refused_with_the_reason(path, flags, needs):
     with pytest.raises(ConfigError, match=needs):
@@ -73,12 +74,13 @@ def test_a_path_this_cpu_cannot_run_is_refused_with_the_reason(path, flags, need
 
 def test_unknown_path_and_kernel_paths_without_kernels_are_refused():
     with pytest.raises(ConfigError, match="unknown compute path"):
-        choose_compute_plan(cpu(EPYC_FLAGS), "bfloat16", "amx")
+        choose_compute_plan(cpu(EPYC_FLAGS), "bfloat16", "avx1024")
     with pytest.raises(ConfigError, match="C kernels"):
         choose_compute_plan(cpu(EPYC_FLAGS), "bfloat16", "avx2", kernels_available=False)
 
 
-@pytest.mark.parametrize("flags, linear", [(EPYC_FLAGS, "dot-generic"), (XEON_FLAGS, "dot-avx512bf16")])
+@pytest.mark.parametrize("flags, linear", [(EPYC_FLAGS, "dot-generic"), (ZEN4_FLAGS, "dot-avx512bf16"),
+                                           (XEON_FLAGS, "amx")])
 def test_deterministic_variant_is_one_kernel_for_every_row_count(flags, linear):
     plan = choose_compute_plan(cpu(flags), "bfloat16", deterministic=True)
     assert plan.deterministic and plan.few_rows_linear == plan.many_rows_linear == linear
