@@ -6,12 +6,13 @@ Every engine picks one `ComputePlan` at start-up (`choose_compute_plan`), logs i
 replaces the row by its batch-invariant variant.
 
 Why these rows (2-core machines, SmolLM2-135M, benchmarks/results/platform.md):
-- amx (AVX512-BF16 and AMX-BF16: Sapphire Rapids and later): up to 4 rows (decode) stream the
-  weights through `vdpbf16ps` at ~1.5-2x oneDNN's bandwidth; more rows run kvbaton's AMX tile
-  GEMM (faster than oneDNN's on decode batches, and batch-invariant); SDPA's flash kernel takes
-  prefill attention (it beats kvbaton's AVX2-tuned C there), and the fused residual-add + RMSNorm
-  kernel replaces torch's bf16 rms_norm (~100 us a call).
-- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): as amx, with oneDNN for many rows.
+- amx (AVX512-BF16 and AMX-BF16: Sapphire Rapids and later): one row (batch-1 decode) streams the
+  weights through `vdpbf16ps` at ~2x oneDNN's bandwidth; 2-512 rows run kvbaton's AMX tile GEMM
+  (1.5-1.7x oneDNN's on decode batches, as fast at 512, and batch-invariant), more rows oneDNN;
+  SDPA's flash kernel takes prefill attention (it beats kvbaton's AVX2-tuned C there), and the
+  fused residual-add + RMSNorm kernel replaces torch's bf16 rms_norm (~100 us a call).
+- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): the dot kernel up to 4 rows, oneDNN
+  beyond; norms and attention as amx.
 - avx2 (AVX2 without native bf16): bf16 GEMMs are emulated, so kvbaton's C kernels take every
   linear: a streaming kernel for a few rows, a packed fp32-accumulating GEMM (gate/up fused with
   SiLU) for many, and a fused residual-add + RMSNorm.
@@ -50,8 +51,8 @@ class ComputePlan:
     attention: AttentionCode
     deterministic: bool
     reason: str  # why this row
-    # where few_rows_linear stops: linear_bf16.c's MAX_ROWS; the dot kernel ties oneDNN's AMX GEMM at ~8
-    # rows of decode shapes and loses beyond, so it stops at 4 (Xeon, 2 cores)
+    # where few_rows_linear stops: linear_bf16.c's MAX_ROWS (avx2); the dot kernel ties oneDNN at ~8 rows
+    # of decode shapes (avx512-bf16: 4) and the AMX GEMM beats it from 2 (amx: 1); Xeon, 2 cores
     few_rows: int = 8
     # amx: the tile GEMM takes up to this many rows (None: every count), oneDNN beyond: at 2048 rows its
     # blocking beats ours (3.2 vs 5.1 ms on gate/up), up to 512 ours is as fast or faster (Xeon, 2 cores)
@@ -130,7 +131,9 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
         "torch": ("torch", "torch" if native_bf16 else "torch-fp32", "torch", "torch"),
     }
     few, many, norm, attention = rows[path]
-    return ComputePlan(path, dtype, few, many, norm, attention, False, reason, 4 if few == "dot-avx512bf16" else 8,
+    # the dot kernel's reach: it beats oneDNN up to ~4 rows, the AMX GEMM from 2 rows (bench_linear_kernels.py)
+    few_rows = {"amx": 1, "avx512-bf16": 4}.get(path, 8)
+    return ComputePlan(path, dtype, few, many, norm, attention, False, reason, few_rows,
                        tile_rows=512 if many == "amx" else None)
 
 
