@@ -31,6 +31,7 @@ from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
 from kvbaton.engine.transfers import KVHandoff, Reservation
 from kvbaton.kernels import cpu_kernels
+from kvbaton.kernels.linear import amx_enabled
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import allocate_pools
@@ -99,8 +100,9 @@ class EngineCore:
     def _choose_compute_plan(self) -> ComputePlan:
         cpu = detect_cpu()
         kernels = self.config.kernels and (self.config.compute_path == "torch" or cpu_kernels() is not None)
+        amx = kernels and cpu.amx_bf16 and amx_enabled()
         plan = choose_compute_plan(cpu, str(self.dtype).removeprefix("torch."), self.config.compute_path,
-                                   self.config.deterministic, kernels_available=kernels)
+                                   self.config.deterministic, kernels_available=kernels, amx_granted=amx)
         logger.info("compute path %s; CPU %s", plan.summary(), cpu.summary())
         return plan
 

@@ -75,28 +75,30 @@ class ComputePlan:
 
 
 def choose_compute_plan(cpu: CPUInfo, dtype: str, requested: str = "auto", deterministic: bool = False,
-                        kernels_available: bool = True) -> ComputePlan:
+                        kernels_available: bool = True, amx_granted: bool = True) -> ComputePlan:
     """The table's row for this CPU and dtype (or the `requested` one, refused with a ConfigError where
-    this machine cannot run it), then its deterministic variant if asked for."""
+    this machine cannot run it), then its deterministic variant if asked for. `amx_granted`: the OS gave
+    this process the AMX register state (Linux 5.16 and later do when asked)."""
     if requested not in COMPUTE_PATHS:
         raise ConfigError(f"unknown compute path {requested!r}; choose one of {', '.join(COMPUTE_PATHS)}")
     if dtype not in ("bfloat16", "float32"):
         raise ConfigError(f"compute paths are chosen for bfloat16 or float32, not {dtype!r}")
     path, reason = requested, "asked for (--compute-path)"
     if requested == "auto":
-        path, reason = _auto_path(cpu, kernels_available)
-    _check_runs_here(path, cpu, kernels_available)
+        path, reason = _auto_path(cpu, kernels_available, amx_granted)
+    _check_runs_here(path, cpu, kernels_available, amx_granted)
     plan = _row(path, dtype, reason, cpu.native_bf16)
     return _deterministic(plan, kernels_available) if deterministic else plan
 
 
-def _auto_path(cpu: CPUInfo, kernels_available: bool) -> tuple[str, str]:
+def _auto_path(cpu: CPUInfo, kernels_available: bool, amx_granted: bool) -> tuple[str, str]:
     if not kernels_available:
         return "torch", "the C kernels could not be built here (no compiler, or KVBATON_KERNELS=0)"
-    if cpu.avx512_bf16 and cpu.amx_bf16:
+    if cpu.avx512_bf16 and cpu.amx_bf16 and amx_granted:
         return "amx", "this CPU has native bf16 (AVX512-BF16 and AMX tiles)"
     if cpu.avx512_bf16:
-        return "avx512-bf16", "this CPU has native bf16 (AVX512-BF16, no AMX)"
+        no_amx = "the OS refused this process AMX" if cpu.amx_bf16 else "no AMX"
+        return "avx512-bf16", f"this CPU has native bf16 (AVX512-BF16, {no_amx})"
     if cpu.native_bf16:  # AMX without AVX512-BF16: no such CPU ships today, but oneDNN would use it
         return "onednn", "this CPU has native bf16 (AMX)"
     if cpu.arch in ("x86_64", "AMD64") and cpu.avx2:
@@ -104,13 +106,16 @@ def _auto_path(cpu: CPUInfo, kernels_available: bool) -> tuple[str, str]:
     return "onednn", f"no kvbaton kernel path for {cpu.arch} without AVX2; the C attention kernels are portable"
 
 
-def _check_runs_here(path: str, cpu: CPUInfo, kernels_available: bool) -> None:
+def _check_runs_here(path: str, cpu: CPUInfo, kernels_available: bool, amx_granted: bool) -> None:
     if path != "torch" and not kernels_available:
         raise ConfigError(f"compute path {path!r} needs kvbaton's C kernels, which could not be built here "
                           "(no C compiler, or KVBATON_KERNELS=0); use --compute-path torch")
     if path == "amx" and not (cpu.amx_bf16 and cpu.avx512_bf16):
         raise ConfigError("compute path 'amx' needs a CPU with AMX-BF16 and AVX512-BF16; this one has: "
                           f"{cpu.summary()}")
+    if path == "amx" and not amx_granted:
+        raise ConfigError("compute path 'amx': the OS refused this process the AMX register state "
+                          "(arch_prctl ARCH_REQ_XCOMP_PERM needs Linux 5.16 or later); use avx512-bf16")
     if path == "avx512-bf16" and not cpu.avx512_bf16:
         raise ConfigError("compute path 'avx512-bf16' needs a CPU with AVX512-BF16; this one has: "
                           f"{cpu.summary()}")

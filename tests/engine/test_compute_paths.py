@@ -14,7 +14,7 @@ from helpers import TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError
-from kvbaton.kernels.linear import ISA_AVX512_BF16, AMXLinear, DotLinear, SmallBatchLinear
+from kvbaton.kernels.linear import ISA_AVX512_BF16, AMXLinear, DotLinear, SmallBatchLinear, amx_enabled
 from kvbaton.layers.linear import Linear
 from kvbaton.platform.compute import COMPUTE_PATHS, ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
@@ -33,7 +33,7 @@ def random_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
 
 def runnable_here(path: str, deterministic: bool, dtype: str) -> ComputePlan:
     try:
-        return choose_compute_plan(detect_cpu(), dtype, path, deterministic)
+        return choose_compute_plan(detect_cpu(), dtype, path, deterministic, amx_granted=amx_enabled())
     except ConfigError as exc:
         pytest.skip(f"this CPU cannot run it: {exc}")
 
@@ -58,9 +58,10 @@ def assert_model_follows(model: torch.nn.Module, plan: ComputePlan) -> None:
 def test_engine_takes_this_cpus_row(tiny_models):
     engine = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8).engine
     plan = engine.core.compute_plan
-    assert plan == choose_compute_plan(detect_cpu(), "bfloat16")
+    assert plan == choose_compute_plan(detect_cpu(), "bfloat16", amx_granted=amx_enabled())
     cpu = detect_cpu()
-    expected = ("amx" if cpu.amx_bf16 else "avx512-bf16") if cpu.avx512_bf16 else "avx2" if cpu.avx2 else "onednn"
+    native = "amx" if cpu.amx_bf16 and amx_enabled() else "avx512-bf16"
+    expected = native if cpu.avx512_bf16 else "avx2" if cpu.avx2 else "onednn"
     assert plan.path == expected
     assert_model_follows(engine.core.runner.model, plan)
     assert engine.info.compute_path == plan.summary()

@@ -10,6 +10,7 @@ import torch
 from helpers import deterministic_prompts, greedy
 
 from kvbaton import LLM
+from kvbaton.kernels.linear import amx_enabled
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
 
@@ -26,7 +27,7 @@ def threads():
 
 
 # this CPU's own row, and the AVX2 machines' (the generic dot kernel), which every x86-64 CPU here runs
-ROWS = sorted({choose_compute_plan(detect_cpu(), "bfloat16").path, "avx2"})
+ROWS = sorted({choose_compute_plan(detect_cpu(), "bfloat16", amx_granted=amx_enabled()).path, "avx2"})
 
 
 @pytest.mark.parametrize("path", ROWS)

@@ -94,3 +94,10 @@ def test_deterministic_variant_is_one_kernel_for_every_row_count(flags, linear):
 def test_every_named_path_is_in_the_table():
     rows = {choose_compute_plan(cpu(XEON_FLAGS), "bfloat16", p).path for p in COMPUTE_PATHS if p != "auto"}
     assert rows == set(COMPUTE_PATHS) - {"auto"}
+
+
+def test_without_the_os_granting_amx_the_xeon_takes_the_avx512_row():
+    plan = choose_compute_plan(cpu(XEON_FLAGS), "bfloat16", amx_granted=False)
+    assert plan.path == "avx512-bf16" and "refused" in plan.reason
+    with pytest.raises(ConfigError, match="refused this process"):
+        choose_compute_plan(cpu(XEON_FLAGS), "bfloat16", "amx", amx_granted=False)

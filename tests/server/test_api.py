@@ -148,10 +148,12 @@ def test_api_key(default_model_dir):
 
 def test_stats_and_workers_name_the_compute_path(default_server):
     """The path the table chose for this CPU (kvbaton.platform.compute), as the engine logged it at start."""
+    from kvbaton.kernels.linear import amx_enabled
     from kvbaton.platform.compute import choose_compute_plan
     from kvbaton.platform.cpu import detect_cpu
 
-    expected = choose_compute_plan(detect_cpu(), "float32").summary()  # the server fixture runs fp32
+    # the server fixture runs fp32
+    expected = choose_compute_plan(detect_cpu(), "float32", amx_granted=amx_enabled()).summary()
     assert _stats(default_server)["compute_path"] == expected
     workers = httpx.get(f"{default_server}/workers", timeout=10).json()
     rows = workers if isinstance(workers, list) else workers.get("workers", [])
