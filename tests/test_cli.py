@@ -27,6 +27,8 @@ def test_generate_streams_text_for_default_model(default_model_dir):
     (["--temperature", "-1"], "temperature must be 0 (greedy) or >= 0.01"),
     (["--top-p", "1.5"], "top_p must be in [1e-08, 1]"),
     (["--max-tokens", "0"], "max_tokens must be in [1, "),
+    (["--deterministic", "--compile"], "leave --compile off"),
+    (["--deterministic", "--compute-path", "torch"], "--deterministic needs kvbaton's C kernels"),
 ])
 def test_bad_input_is_one_line_error(args, message):
     result = _kvbaton("generate", *args, timeout=120)

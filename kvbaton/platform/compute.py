@@ -23,7 +23,7 @@ float32 models (the parity oracle's dtype) compute linears in PyTorch's fp32 GEM
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from kvbaton.config import ConfigError
@@ -58,10 +58,6 @@ class ComputePlan:
     # blocking beats ours (3.2 vs 5.1 ms on gate/up), up to 512 ours is as fast or faster (Xeon, 2 cores)
     tile_rows: int | None = None
 
-    @property
-    def uses_kernels(self) -> bool:
-        return self.path != "torch"
-
     def summary(self) -> str:
         many = self.many_rows_linear + (f" (<= {self.tile_rows} rows) / torch" if self.tile_rows else "")
         linears = (self.few_rows_linear if self.few_rows_linear == self.many_rows_linear
@@ -69,9 +65,6 @@ class ComputePlan:
         mode = ", deterministic" if self.deterministic else ""
         return (f"{self.path}{mode} [{self.dtype}]: linears {linears}; norms {self.norm}; attention "
                 f"{self.attention} ({self.reason})")
-
-    def as_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 def choose_compute_plan(cpu: CPUInfo, dtype: str, requested: str = "auto", deterministic: bool = False,
@@ -143,10 +136,10 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
 
 
 def _deterministic(plan: ComputePlan, kernels_available: bool) -> ComputePlan:
-    """Batch-invariant variant: every linear one fixed-order sum per output for any row count (AMX tiles or a
-    dot product),
-    the residual-add + norm kernel row by row, every token (prefill ones too) attending as a decode
-    query over one unsplit context. All of it is C: PyTorch's GEMMs choose their blocking by shape."""
+    """Batch-invariant variant: every linear one fixed-order sum per output for any row count (AMX tiles
+    or a dot product), the residual-add + norm kernel row by row, every token (prefill ones too)
+    attending as a decode query over one unsplit context. All of it is C: PyTorch's GEMMs choose their
+    blocking by shape."""
     if not kernels_available or plan.path == "torch":
         raise ConfigError("--deterministic needs kvbaton's C kernels (the batch-invariant linear and attention), "
                           "which the 'torch' compute path does not use or could not be built here")

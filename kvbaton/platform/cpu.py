@@ -58,11 +58,6 @@ class CPUInfo:
         return (f"{self.model_name or self.arch}, {self.num_cores} cores"
                 f"{', ' + caches if caches else ''}; {' '.join(names) or 'no AVX2'}")
 
-    def as_dict(self) -> dict[str, object]:
-        return {"model_name": self.model_name, "arch": self.arch, "num_cores": self.num_cores,
-                "features": [name for flag, name in FEATURES.items() if flag in self.flags],
-                "l2_bytes": self.l2_bytes, "l3_bytes": self.l3_bytes}
-
 
 def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
     """(model name, flags) of the first processor in a /proc/cpuinfo text."""
