@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common.machine import cpu_name, kvbaton_commit
+from common.machine import cpu_name, kvbaton_commit, measure_bandwidth
 from common.report import RESULTS_DIR, command_line
 from kvbaton.kernels import dot_linear, pack_amx, pack_linear, small_batch_linear
 from kvbaton.kernels.linear import amx_enabled
@@ -33,19 +33,6 @@ from kvbaton.platform.cpu import detect_cpu
 
 SHAPES = {"qkv_proj": (960, 576, 30), "o_proj": (576, 576, 30), "gate_up_proj": (3072, 576, 30),
           "down_proj": (576, 1536, 30), "lm_head": (49152, 576, 1)}  # name -> (N, K, layers per step)
-
-
-def read_bandwidth(threads: int, mb: int = 512) -> float:
-    x = torch.ones(mb * 2**20 // 4)
-    x.sum()
-    best = min(_timed(x.sum) for _ in range(5))
-    return x.numel() * 4 / best / 1e9
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def kernels(rows: int) -> dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]]:
@@ -88,7 +75,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS_DIR / "linear-kernels.md"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    bw = read_bandwidth(args.threads)
+    bw = measure_bandwidth(512, args.threads).read_gb_s
     cpu = detect_cpu()
     lines = [f"# Linear-layer kernels — {dt.datetime.now().isoformat(timespec='seconds')}", "",
              f"Command: `{command_line('bench_linear_kernels.py', sys.argv[1:])}`  ",

@@ -49,6 +49,15 @@ def small_batch_linear() -> SmallBatchLinear | None:
 
 
 PANEL = 16  # output columns per packed weight panel (gemm_packed.c's NR)
+
+
+def _padded_bias(bias: torch.Tensor | None, padded_n: int) -> torch.Tensor | None:
+    """A bias as fp32, zero-padded to the packed weights' column count (the kernels read whole panels)."""
+    if bias is None:
+        return None
+    out = torch.zeros(padded_n, dtype=torch.float32)
+    out[: bias.shape[0]] = bias.detach().float()
+    return out
 # bf16 panels store columns in this order (see gemm_packed.c: one load, two in-lane interleaves)
 BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 _OUT_F32, _OUT_BF16, _OUT_SILU_MUL = 0, 1, 2  # gemm_packed.c's output modes
@@ -84,10 +93,7 @@ class PackedLinear:
         if packed_dtype == torch.bfloat16:
             packed = packed[..., list(BF16_PANEL_ORDER)]
         self.weight = packed.contiguous()
-        self.bias = None
-        if bias is not None:
-            self.bias = torch.zeros(panels * PANEL, dtype=torch.float32)
-            self.bias[:n] = bias.detach().float()
+        self.bias = _padded_bias(bias, panels * PANEL)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] (bf16 or fp32) -> [..., N] in x's dtype, accumulated in fp32."""
@@ -144,8 +150,6 @@ class DotLinear:
         """x: [..., K] -> [..., N] in x's dtype (fp32 sums, rounded once to bf16 for bf16 x)."""
         n, k = weight.shape
         rows = x.numel() // k
-        if rows == 0:  # a step that samples nothing (mid-prompt chunks) still runs the lm_head
-            return x.new_empty(*x.shape[:-1], n)
         x_in = x.reshape(rows, k).to(torch.bfloat16 if self.isa == ISA_AVX512_BF16 else torch.float32).contiguous()
         out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         y = torch.empty(rows, n, dtype=out_dtype)
@@ -188,10 +192,7 @@ class AMXLinear:
         padded[:n] = weight.detach()
         # [N/16, 16 columns, K/32, 16 k-pairs, 2] -> [N/16, K/32, 16 k-pairs, 16 columns, 2]: one B tile per 1 KiB
         self.weight = padded.view(blocks, PANEL, k // AMX_TILE_K, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-        self.bias = None
-        if bias is not None:
-            self.bias = torch.zeros(blocks * PANEL, dtype=torch.float32)
-            self.bias[:n] = bias.detach().float()
+        self.bias = _padded_bias(bias, blocks * PANEL)
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
@@ -203,8 +204,6 @@ class AMXLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         k, n = self.in_features, self.out_features
         rows = x.numel() // k
-        if rows == 0:
-            return x.new_empty(*x.shape[:-1], n)
         x16 = x.reshape(rows, k).to(torch.bfloat16).contiguous()
         out_dtype = torch.bfloat16 if x.dtype == torch.bfloat16 else torch.float32
         y = torch.empty(rows, n, dtype=out_dtype)

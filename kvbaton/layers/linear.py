@@ -35,6 +35,8 @@ class Linear(nn.Linear):
         return kernel if kernel is not None and kernel.handles_rows(x) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # a step that samples nothing (mid-prompt chunks) still runs the lm_head
+            return F.linear(x, self.weight, self.bias)
         rows_kernel = self._rows_kernel_for(x)
         if rows_kernel is not None:
             return rows_kernel(x, self.weight, self.bias)

@@ -113,6 +113,3 @@ def detect_cpu() -> CPUInfo:
     return CPUInfo(model_name=model, arch=platform.machine(), flags=flags, num_cores=cores,
                    l2_bytes=_cache_bytes(2), l3_bytes=_cache_bytes(3))
 
-
-def has_native_bf16() -> bool:
-    return detect_cpu().native_bf16
