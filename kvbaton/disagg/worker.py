@@ -127,7 +127,7 @@ class Worker:
                 # NOTE: failures first: the router then falls back before it sees a hand-off's first token
                 self._report_failures(result.failed_transfers)
                 for failure in result.failed_requests:
-                    self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=True))
+                    self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=failure.in_step))
                 self.send(WorkerOutputs(self.name, result.outputs, self._load()))
             if self.draining and self._idle():
                 self.send(Drained(self.name))

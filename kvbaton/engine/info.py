@@ -94,6 +94,12 @@ def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingPar
                                   "stop_token_ids")
     if not _all_token_ids(params.stop_token_ids, info.vocab_size):
         raise InvalidRequestError(f"stop_token_ids must be integers in [0, {info.vocab_size})", "stop_token_ids")
+    if params.n != 1:
+        raise InvalidRequestError("an engine runs one sequence per request: the frontend fans n out", "n")
+    if params.logit_bias and not _all_token_ids(list(params.logit_bias), info.vocab_size):
+        raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {info.vocab_size})", "logit_bias")
+    if params.resumed_output_tokens >= len(token_ids):
+        raise InvalidRequestError("resumed_output_tokens must be fewer than the prompt's tokens", "prompt")
     if not _all_token_ids(token_ids, info.vocab_size):
         raise InvalidRequestError(f"prompt_token_ids must be integers in [0, {info.vocab_size})", "prompt")
 

@@ -11,6 +11,7 @@ import torch
 from kvbaton.config import ConfigError
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TransferFailure
 from kvbaton.engine.sampler import SamplingRow, sample
+from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.kv.pools import KVPools, torch_dtype
@@ -57,11 +58,14 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
+        self.grammars: GrammarMatchers | None = None  # set by the core with the first structured request
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         for request_id in sched.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.drop(sched.finished_request_ids)
         if sched.is_empty:
             return ModelOutput({})
         inputs = self.prepare_inputs(sched.scheduled)
@@ -72,9 +76,12 @@ class ModelRunner:
             assert sender is not None
             meta = dataclasses.replace(meta, after_layer=lambda layer: sender.save_layer(layer, outgoing))
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices)
-        rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s))
+        rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s),
+                            s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else (),
+                            s.generated_token_ids if s.sampling_params.has_penalties else ())
                 for s in inputs.sampled]
-        tokens, logprobs = sample(logits, rows)
+        tokens, logprobs = sample(logits, rows, self._grammar_mask(inputs.sampled),
+                                  fallback_token=self.eos_token_ids[0] if self.eos_token_ids else 0)
         return ModelOutput(
             {s.request_id: t for s, t in zip(inputs.sampled, tokens)},
             {s.request_id: lp for s, lp in zip(inputs.sampled, logprobs) if lp is not None},
@@ -182,6 +189,16 @@ class ModelRunner:
         mask = torch.arange(context_len).unsqueeze(0) <= q_pos  # [Lq, L] bottom-right causal
         blocks = self._block_table(s.block_ids[: self._num_blocks(context_len)])
         return PrefillSpan(query_start, s.num_tokens, blocks, context_len, mask)
+
+    def _grammar_mask(self, sampled: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The token bitmask of the rows whose request follows a grammar (None: no such row)."""
+        rows = [(i, s) for i, s in enumerate(sampled) if s.sampling_params.structured_output is not None]
+        if not rows:
+            return None
+        if self.grammars is None:
+            raise RuntimeError("a structured-output request reached the runner before its grammar was compiled")
+        specs = [(s.request_id, s.sampling_params.structured_output, s.generated_token_ids) for _, s in rows]
+        return self.grammars.bitmask(specs, [i for i, _ in rows])  # type: ignore[arg-type]
 
     def _banned(self, s: ScheduledRequest) -> tuple[int, ...]:
         """Until `min_tokens` are out, EOS and stop tokens cannot be sampled (as in vLLM)."""

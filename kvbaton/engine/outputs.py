@@ -4,6 +4,7 @@ back to its caller (no torch here)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -46,6 +47,18 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     num_output_tokens: int  # before this step; seeds per-request sampling state
     remote_decode: RemoteDecode | None = None  # prefill worker: send the prompt's KV when this chunk ends it
+    # NOTE: the request's own lists, not copies (read by the runner before this step's token is appended):
+    # penalties and the grammar need the tokens so far, and copying a long context every step would cost.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    @property
+    def generated_token_ids(self) -> Sequence[int]:
+        """Output so far, with the earlier attempt's output at the end of the prompt when it resumed."""
+        resumed = self.sampling_params.resumed_output_tokens
+        if not resumed:
+            return self.output_token_ids
+        return [*self.prompt_token_ids[len(self.prompt_token_ids) - resumed:], *self.output_token_ids]
 
     @property
     def num_tokens(self) -> int:
@@ -105,10 +118,12 @@ class EngineCoreOutput:
 
 @dataclass(frozen=True)
 class RequestFailure:
-    """A request the engine gave up on inside a step (the step raised while computing it); its blocks are freed."""
+    """A request the engine gave up on inside a step (the step raised while computing it; its blocks are
+    freed), or, not `in_step`, refused before any step (its grammar did not compile: no retry helps)."""
 
     request_id: str
     reason: str
+    in_step: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+from kvbaton.engine.structured.spec import StructuredOutput
 
 # NOTE: below this, `logits / temperature` can overflow float32 to inf, and softmax of inf is NaN, which
 # `torch.multinomial` refuses: 1e-39 took an engine down. vLLM clamps below 1e-2 with a warning; we refuse.
@@ -13,6 +16,10 @@ MIN_TOP_P = 1e-8
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack (and a torch.Generator seed) carries signed
 INT32_MAX = 2**31 - 1  # token counts and top_k: far above any context, far below any overflow
 MAX_CACHE_SALT_CHARS = 256
+MAX_N = 128  # the frontend's own cap (--max-n) is at most this
+MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300. Each is one scatter into the row's logits per step.
+MAX_PENALTY = 2.0  # presence / frequency, as OpenAI
+MAX_REPETITION_PENALTY = 100.0  # any positive finite value is well defined; past this it is only a way to overflow
 
 
 class InvalidRequestError(ValueError):
@@ -41,12 +48,28 @@ class SamplingParams:
     # vLLM's request field: requests with different salts never share prefix-cache blocks (so one
     # tenant cannot probe another's prompts by timing). It travels with the params to every worker.
     cache_salt: str | None = None
+    # OpenAI's penalties on the tokens generated so far: logit -= presence * (count > 0) + frequency * count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # transformers' / vLLM's, over prompt and output tokens: a seen token's logit divided by it (multiplied if < 0)
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top token's (after temperature)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] as OpenAI
+    structured_output: StructuredOutput | None = None  # a grammar every sampled token must obey
+    # NOTE: set by the router when a request resumes on another worker: the last this-many prompt tokens are
+    # output of an earlier attempt, so penalties count them as generated and the grammar has matched them.
+    resumed_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         # NOTE: `stop` is declared as the forms callers may pass; from here on it is always a list.
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop = stop
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.logit_bias, dict):
+            try:  # JSON object keys are strings: OpenAI sends {"50256": -100}
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise InvalidRequestError(f"logit_bias maps token ids to numbers: {exc}", "logit_bias") from None
         self._validate(stop)
 
     @property
@@ -59,10 +82,14 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def _validate(self, stop: list[str]) -> None:
         t = self.temperature
         checks = [
-            (self.n == 1, "n", "n: only n=1 is supported"),
+            (isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}"),
             (isinstance(t, (int, float)) and (t == 0.0 or MIN_TEMPERATURE <= t), "temperature",
              f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t}"),
             (MIN_TOP_P <= self.top_p <= 1.0, "top_p", f"top_p must be in [{MIN_TOP_P}, 1], got {self.top_p}"),
@@ -81,7 +108,28 @@ class SamplingParams:
             (self.cache_salt is None or (isinstance(self.cache_salt, str)
                                          and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS), "cache_salt",
              f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters"),
+            (_in_range(self.presence_penalty, -MAX_PENALTY, MAX_PENALTY), "presence_penalty",
+             f"presence_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.presence_penalty}"),
+            (_in_range(self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY), "frequency_penalty",
+             f"frequency_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.frequency_penalty}"),
+            (_in_range(self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY) and self.repetition_penalty > 0,
+             "repetition_penalty",
+             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"),
+            (_in_range(self.min_p, 0.0, 1.0), "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+                                         and all(_in_range(v, -100.0, 100.0) for v in self.logit_bias.values())),
+             "logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, each biased by a value in [-100, 100]"),
+            (self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+             "structured_outputs", "structured_output must be a StructuredOutput"),
+            (isinstance(self.resumed_output_tokens, int) and 0 <= self.resumed_output_tokens <= INT32_MAX,
+             "resumed_output_tokens", "resumed_output_tokens must be a token count"),
         ]
         for ok, param, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param)
+
+
+def _in_range(value: object, low: float, high: float) -> bool:
+    # NOTE: NaN compares false with everything, so it fails here as it should; bools are not numbers here.
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and low <= value <= high

@@ -214,6 +214,7 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 num_output_tokens=req.num_output_tokens,
                 remote_decode=req.remote_decode if start + num_new == req.num_tokens else None,
+                prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             ))
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         return SchedulerOutput(scheduled, finished, sum(chosen.values()),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 from kvbaton.engine.request_output import CompletionOutput, Logprob, RequestOutput
 
@@ -13,9 +14,13 @@ def sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-def usage(out: RequestOutput) -> dict:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    cached = out.metrics.num_cached_tokens if out.metrics else 0
+def usage(outs: list[tuple[int, RequestOutput]], n: int = 1) -> dict:
+    """One request's usage over its choices (`index`, output): each prompt counted once (its n choices
+    share it, as OpenAI counts), every choice's generated tokens counted."""
+    by_prompt = {index // n: out for index, out in sorted(outs, key=lambda item: item[0], reverse=True)}
+    n_prompt = sum(len(out.prompt_token_ids) for out in by_prompt.values())
+    n_out = sum(len(out.outputs[0].token_ids) for _, out in outs)
+    cached = sum(out.metrics.num_cached_tokens for out in by_prompt.values() if out.metrics)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -58,58 +63,99 @@ def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
     return {"content": content}
 
 
-class ResponseBuilder:
-    """One request's response shape: completions or chat, streamed or whole."""
+@dataclass
+class _ChoiceState:
+    """What one choice's stream has sent so far."""
 
-    def __init__(self, kind: str, request_id: str, model: str, top_logprobs: int | None) -> None:
-        self.kind, self.id, self.model = kind, request_id, model
+    logprobs_sent: int = 0
+    text_sent: int = 0
+    started: bool = False
+
+
+class ResponseBuilder:
+    """One request's response shape: completions or chat, streamed or whole, with one choice per
+    prompt x n (choice `index` = prompt index * n + sample index, as OpenAI and vLLM number them).
+    `echo`: per choice, the prompt text that completions put before the generated text."""
+
+    def __init__(self, kind: str, request_id: str, model: str, top_logprobs: int | None,
+                 echo: list[str] | None = None, n: int = 1) -> None:
+        self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.created = int(time.time())
         self.top_logprobs = top_logprobs
-        self._logprobs_sent = 0
-        self._text_sent = 0
+        self.echo = echo
+        self._choices: dict[int, _ChoiceState] = {}
 
-    def _logprobs(self, c: CompletionOutput, entries: list[dict[int, Logprob]]) -> dict | None:
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _state(self, index: int) -> _ChoiceState:
+        return self._choices.setdefault(index, _ChoiceState())
+
+    def _logprobs(self, c: CompletionOutput, entries: list[dict[int, Logprob]], text_offset: int) -> dict | None:
         if c.logprobs is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries, self.top_logprobs or 0)
-        return completion_logprobs(entries, self.top_logprobs or 0, self._text_sent)
+        return completion_logprobs(entries, self.top_logprobs or 0, text_offset)
 
-    def full(self, out: RequestOutput) -> dict:
-        c = out.outputs[0]
-        choice = {"index": 0, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                  "logprobs": self._logprobs(c, c.logprobs or [])}
-        if self.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": c.text}
-        else:
-            choice["text"] = c.text
+    def _echoed(self, index: int) -> str:
+        return self.echo[index] if self.echo is not None else ""
+
+    def full(self, outs: list[tuple[int, RequestOutput]], messages: dict[int, dict] | None = None) -> dict:
+        """The whole response; `messages` replaces a chat choice's message (tool calls parsed out of it)."""
+        choices = []
+        for index, out in sorted(outs, key=lambda item: item[0]):
+            c = out.outputs[0]
+            echoed = self._echoed(index)
+            choice = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                      "logprobs": self._logprobs(c, c.logprobs or [], len(echoed))}
+            if self.kind == "chat":
+                choice["message"] = (messages or {}).get(index) or {"role": "assistant", "content": c.text}
+            else:
+                choice["text"] = echoed + c.text
+            choices.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": usage(out), "kvbaton_timing": timing(out)}
+                "choices": choices, "usage": usage(outs, self.n), "kvbaton_timing": timing(_last(outs))}
 
-    def chunk(self, out: RequestOutput | None, first: bool = False) -> dict:
-        """A stream chunk for the latest delta (or, with `first`, chat's role-only chunk)."""
-        choice: dict = {"index": 0, "finish_reason": None, "logprobs": None}
-        delta = ""
-        if out is not None:
-            c = out.outputs[0]
-            new_entries = (c.logprobs or [])[self._logprobs_sent:]
-            choice["logprobs"] = self._logprobs(c, new_entries)
-            self._logprobs_sent = len(c.logprobs or [])
-            choice["finish_reason"] = c.finish_reason
-            if c.finish_reason:
-                choice["stop_reason"] = c.stop_reason
-            delta = c.delta_text
-            self._text_sent += len(delta)
+    def role_chunk(self, index: int) -> dict:
+        """Chat's first chunk of a choice: the role, no content."""
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                  "logprobs": None}
+        return self._wrap(choice)
+
+    def chunk(self, index: int, out: RequestOutput, delta: dict | None = None) -> dict:
+        """A stream chunk for choice `index`'s latest delta; `delta` replaces chat's content delta (tool calls)."""
+        state = self._state(index)
+        c = out.outputs[0]
+        new_entries = (c.logprobs or [])[state.logprobs_sent:]
+        text = c.delta_text
+        if not state.started:
+            text = self._echoed(index) + text
+            state.text_sent += len(self._echoed(index))
+            state.started = True
+        choice: dict = {"index": index, "finish_reason": c.finish_reason,
+                        "logprobs": self._logprobs(c, new_entries, state.text_sent)}
+        state.logprobs_sent = len(c.logprobs or [])
+        if c.finish_reason:
+            choice["stop_reason"] = c.stop_reason
+        state.text_sent += len(c.delta_text)
         if self.kind == "chat":
-            choice["delta"] = {"role": "assistant", "content": ""} if first else {"content": delta}
-            obj = "chat.completion.chunk"
+            choice["delta"] = delta if delta is not None else {"content": text}
         else:
-            choice["text"] = delta
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+            choice["text"] = text
+        return self._wrap(choice)
 
-    def usage_chunk(self, out: RequestOutput) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
-                "usage": usage(out), "kvbaton_timing": timing(out)}
+    def _wrap(self, choice: dict) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+
+    def usage_chunk(self, outs: list[tuple[int, RequestOutput]]) -> dict:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(outs, self.n), "kvbaton_timing": timing(_last(outs))}
+
+
+def _last(outs: list[tuple[int, RequestOutput]]) -> RequestOutput:
+    """The choice that finished last: the request's timing is its."""
+    return max((out for _, out in outs), key=lambda o: (o.metrics.finished_time or 0.0) if o.metrics else 0.0)
