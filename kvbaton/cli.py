@@ -1,4 +1,4 @@
-"""`kvbaton` command line: serve | generate | bench | workers | model.
+"""`kvbaton` command line: serve | generate | bench | chat | complete | workers | model.
 
 Errors a user can cause (bad model path, bad sampling values, over-long prompt) are
 printed as one line on stderr with exit status 2, never as a traceback.
@@ -57,6 +57,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def _add_generation_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|PATH",
+                   help="sampling defaults for what a request leaves unset: auto (default): the model dir's "
+                        "generation_config.json; vllm: ignore it; PATH: a dir holding one, or the file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvbaton", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,10 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.add_argument("--prompt", default=DEFAULT_PROMPT)
     gen.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    # NOTE: None: the model's generation config decides (as in vLLM), else the values in GENERATE_FALLBACKS.
+    gen.add_argument("--max-tokens", type=int, default=None, help="default: the model's max_new_tokens, else 128")
+    gen.add_argument("--temperature", type=float, default=None, help="default: the model's, else 0 (greedy)")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1")
+    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else 0 (disabled)")
+    _add_generation_config_arg(gen)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None)
     serve = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
@@ -88,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="clients may set a priority in [-N, N] (default 1000000; 0: no client priorities)")
     serve.add_argument("--max-workers", type=int, default=16,
                        help="the most workers the pool may have; POST /admin/workers refuses beyond it")
+    _add_generation_config_arg(serve)
     pd = serve.add_argument_group("disaggregation (prefill/decode worker pools behind a router)")
     pd.add_argument("--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill themselves)")
     pd.add_argument("--decode", type=int, default=0,
@@ -119,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbaton.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from kvbaton.client.cli import add_client_parsers
+
+    add_client_parsers(sub)
     workers = sub.add_parser("workers", help="list, add or drain the workers of a running `kvbaton serve`")
     workers.add_argument("action", choices=["list", "add", "drain"])
     workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
@@ -132,11 +144,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+GENERATE_FALLBACKS: dict[str, float | int] = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 128}
+
+
+def generate_params(args: argparse.Namespace) -> SamplingParams:
+    """The flags given, else the model's generation config, else GENERATE_FALLBACKS."""
+    from kvbaton.engine.generation_config import load_generation_defaults
+    from kvbaton.models.registry import resolve_model
+
+    defaults = load_generation_defaults(resolve_model(args.model), args.generation_config)
+    given = {k: getattr(args, k) for k in GENERATE_FALLBACKS if getattr(args, k) is not None}
+    values = {**GENERATE_FALLBACKS, **defaults.overrides(), **given}
+    # NOTE: the engine stops on the model dir's own EOS ids; a --generation-config PATH may name others.
+    return SamplingParams(**values, seed=args.seed, stop=args.stop, stop_token_ids=list(defaults.eos_token_ids))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvbaton.engine.engine import LLMEngine
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_tokens=args.max_tokens, stop=args.stop)
+    params = generate_params(args)  # before loading the model, so a bad --generation-config fails at once
     engine = LLMEngine(engine_config_from_args(args))
     prompt = args.prompt
     if not args.raw and engine.tokenizer.hf.chat_template:
@@ -181,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            api_key=args.api_key, admin_api_key=args.admin_api_key,
                            max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                            max_priority_range=args.max_priority_range, max_workers=args.max_workers,
+                           generation_config=args.generation_config,
                            deployment=deployment_from_args(args))
     return serve(engine_config_from_args(args), options)
 
@@ -189,6 +216,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvbaton.bench.cli import main as bench_main
 
     return bench_main(args)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from kvbaton.client.cli import main as client_main
+
+    return client_main(args)
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
@@ -234,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench,
-                "workers": cmd_workers}
+                "workers": cmd_workers, "chat": cmd_client, "complete": cmd_client}
     try:
         return handlers[args.command](args)
     except (ConfigError, InvalidRequestError, FileNotFoundError, OSError) as exc:

@@ -29,12 +29,20 @@ def test_generate_streams_text_for_default_model(default_model_dir):
     (["--max-tokens", "0"], "max_tokens must be in [1, "),
     (["--deterministic", "--compile"], "leave --compile off"),
     (["--deterministic", "--compute-path", "torch"], "--deterministic needs kvbaton's C kernels"),
+    (["--generation-config", "/nonexistent"], "--generation-config /nonexistent: no generation_config.json"),
 ])
 def test_bad_input_is_one_line_error(args, message):
     result = _kvbaton("generate", *args, timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and lines[0].startswith("kvbaton: error:")
+
+
+def test_serve_with_a_missing_generation_config_fails_before_any_worker(default_model_dir):
+    result = _kvbaton("serve", "--generation-config", "/nonexistent", "--port", "0", timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1
+    assert lines[0].startswith("kvbaton: error: --generation-config /nonexistent: no generation_config.json")
 
 
 def test_missing_weights_dir_is_clear_error(tmp_path):

@@ -50,11 +50,13 @@ class Flight:
 
     def continuation(self) -> tuple[list[int], SamplingParams]:
         """Prompt and params that produce the rest of the output: the tokens the client already
-        has become part of the prompt, and the limits shrink by as many."""
+        has become part of the prompt, and the limits shrink by as many. The worker is told how many
+        of the prompt's tokens are output, so penalties count them and a grammar has matched them."""
         done = len(self.tokens)
         if not done:
             return self.prompt_token_ids, self.params
         params = self.params
         max_tokens = None if params.max_tokens is None else params.max_tokens - done
-        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done))
+        params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done),
+                                     resumed_output_tokens=done)
         return self.prompt_token_ids + self.tokens, params

@@ -39,6 +39,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self.validate(token_ids, params, priority)
+        self.core.validate_grammar(params)
         req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self.core.add_request(req)

@@ -47,8 +47,8 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
         if bool(stuck.any()):
             logits[stuck] = float("-inf")
             logits[stuck, fallback_token] = 0.0
-    _add_logit_bias(logits, rows)
-    _apply_penalties(logits, rows)
+    add_logit_bias(logits, rows)
+    apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1).tolist()  # greedy for every row; random rows overwrite
     random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if random_rows:
@@ -80,7 +80,7 @@ def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[index[:, 0], index[:, 1]] = float("-inf")
 
 
-def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     entries = [(i, t, b) for i, row in enumerate(rows) for t, b in (row.params.logit_bias or {}).items()]
     if entries:
         row_ids = torch.tensor([e[0] for e in entries], dtype=torch.long)
@@ -98,7 +98,7 @@ def _token_matrix(histories: list[Sequence[int]], vocab: int) -> torch.Tensor:
     return ids
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     penalized = [i for i, row in enumerate(rows) if row.params.has_penalties]
     if not penalized:
         return
@@ -122,29 +122,36 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def _sample_random(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
-    """logits: [R, V] of the random rows. Temperature, top-k, top-p, min-p (transformers' order)."""
-    params = [row.params for row in rows]
+    """logits: [R, V] of the random rows."""
+    probs = warped_logits(logits, [row.params for row in rows]).softmax(-1)
+    # NOTE: one multinomial per row: each request's seeded generator must draw only its own numbers.
+    return [int(torch.multinomial(probs[i], 1, generator=row.generator).item()) for i, row in enumerate(rows)]
+
+
+def warped_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p (transformers' warpers, in its order): the logits a random
+    row samples from, the cut tokens at -inf. logits: [R, V], one row per entry of `params`."""
     scaled = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
     vocab = scaled.shape[1]
     top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], dtype=scaled.dtype)
     min_p = torch.tensor([p.min_p for p in params], dtype=scaled.dtype)
-    if bool((top_k < vocab).any() or (top_p < 1.0).any() or (min_p > 0.0).any()):
-        ordered, order = scaled.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab).unsqueeze(0)
-        # top-k keeps ties with the k-th value, as transformers' TopKLogitsWarper does
-        kth = ordered.gather(1, (top_k - 1).unsqueeze(1))
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-        probs = ordered.softmax(-1)
-        # top-p: drop a token once the tokens before it already cover top_p (the first always stays)
-        ordered = ordered.masked_fill((probs.cumsum(-1) - probs >= top_p.unsqueeze(1)) & (rank > 0), float("-inf"))
-        probs = ordered.softmax(-1)
-        # min-p: drop tokens below min_p x the most likely one's probability (which itself always stays)
-        ordered = ordered.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
-        scaled = torch.empty_like(scaled).scatter_(1, order, ordered)
-    probs = scaled.softmax(-1)
-    # NOTE: one multinomial per row: each request's seeded generator must draw only its own numbers.
-    return [int(torch.multinomial(probs[i], 1, generator=row.generator).item()) for i, row in enumerate(rows)]
+    if not bool((top_k < vocab).any() or (top_p < 1.0).any() or (min_p > 0.0).any()):
+        return scaled
+    ordered, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab).unsqueeze(0)
+    # top-k keeps ties with the k-th value, as transformers' TopKLogitsWarper does
+    kth = ordered.gather(1, (top_k - 1).unsqueeze(1))
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = ordered.softmax(-1)
+    # top-p: drop a token once the tokens before it already cover top_p (the first always stays). Rows at
+    # top_p = 1 are left alone: their rounded cumulative sum can reach 1 before the last token.
+    drop = (probs.cumsum(-1) - probs >= top_p.unsqueeze(1)) & (rank > 0) & (top_p < 1.0).unsqueeze(1)
+    ordered = ordered.masked_fill(drop, float("-inf"))
+    probs = ordered.softmax(-1)
+    # min-p: drop tokens below min_p x the most likely one's probability (which itself always stays)
+    ordered = ordered.masked_fill(probs < min_p.unsqueeze(1) * probs[:, :1], float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, ordered)
 
 
 def _logprobs(raw: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[TokenLogprobs]:

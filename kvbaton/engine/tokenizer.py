@@ -7,6 +7,7 @@ from pathlib import Path
 from tokenizers.decoders import DecodeStream
 
 from kvbaton.config import ConfigError, ModelConfig
+from kvbaton.engine.generation_config import generation_eos_token_ids
 
 
 class Tokenizer:
@@ -15,6 +16,7 @@ class Tokenizer:
             raise ConfigError(f"no tokenizer (tokenizer.json) in model directory {model_dir}")
         from transformers import AutoTokenizer
 
+        self.model_dir = Path(model_dir)
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
@@ -23,16 +25,18 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return _one_text(self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI function definitions, for a template that renders them itself."""
         if not self.hf.chat_template:
             raise ConfigError("this model's tokenizer has no chat template")
-        return _one_text(self.hf.apply_chat_template(messages, tokenize=False,
+        return _one_text(self.hf.apply_chat_template(messages, tokenize=False, tools=list(tools) if tools else None,
                                                      add_generation_prompt=add_generation_prompt))
 
     def token_text(self, token_id: int) -> str:
@@ -44,8 +48,10 @@ class Tokenizer:
 
 
 def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
-    """EOS ids from the checkpoint config and the tokenizer, merged."""
-    ids = set(model_config.eos_token_ids)
+    """EOS ids from the checkpoint config, its generation_config.json and the tokenizer, merged."""
+    # NOTE: some checkpoints list their end-of-turn token (e.g. Llama 3 Instruct's <|eot_id|>) only in
+    # generation_config.json; without it generation runs on past the answer.
+    ids = set(model_config.eos_token_ids) | set(generation_eos_token_ids(tokenizer.model_dir))
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return tuple(sorted(ids))

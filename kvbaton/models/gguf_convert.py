@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from kvbaton.config import ConfigError
 
@@ -81,7 +82,8 @@ def _dequantized_tensors(reader: GGUFReader, arch: str, dtype: torch.dtype) -> d
     heads = _field(reader, f"{arch}.attention.head_count")
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    # NOTE: disable=None is tqdm's own TTY check: a bar on a terminal, nothing in logs, CI or test output.
+    for t in tqdm(reader.tensors, desc="kvbaton: converting GGUF", unit="tensor", disable=None, leave=False):
         name = _hf_name(t.name)
         if name is None:
             continue

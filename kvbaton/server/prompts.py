@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TypeVar
 
 from kvbaton.engine.tokenizer import Tokenizer
@@ -40,19 +41,27 @@ class PromptEncoder:
         self.max_chars = max_model_len * max_token_bytes(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="kvbaton-prompt")
 
-    async def completion(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    async def completion(self, prompt: str | list[int],
+                         add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, list):
             if len(prompt) >= self.max_model_len:
                 raise ApiError(400, f"prompt has {len(prompt)} tokens but the model's context length is "
                                     f"{self.max_model_len}", "BadRequestError", "prompt")
             return None, prompt
         self._check_chars(prompt, "prompt")
-        return prompt, await self._run(self.tokenizer.encode, prompt)
+        return prompt, await self._run(partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), prompt)
 
-    async def chat(self, messages: list[dict]) -> tuple[str, list[int]]:
-        text = await self._run(self.tokenizer.apply_chat_template, messages)
+    async def chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                   add_special_tokens: bool = True, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        template = partial(self.tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
+                           tools=tools)
+        text = await self._run(template, messages)
         self._check_chars(text, "messages")
-        return text, await self._run(self.tokenizer.encode, text)
+        return text, await self._run(partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), text)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """Token ids back to text, special tokens kept (the caller bounds their number and range)."""
+        return await self._run(partial(self.tokenizer.decode, skip_special_tokens=False), token_ids)
 
     def _check_chars(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:

@@ -8,9 +8,12 @@ type- and range-checked so a bad value gets a 400 naming the field. Integers are
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
 from kvbaton.engine.info import MAX_STOP_TOKEN_IDS
 from kvbaton.engine.sampling_params import (
@@ -18,15 +21,24 @@ from kvbaton.engine.sampling_params import (
     INT64_MAX,
     INT64_MIN,
     MAX_CACHE_SALT_CHARS,
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     MIN_TOP_P,
+    InvalidRequestError,
     SamplingParams,
 )
+from kvbaton.engine.structured.spec import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
+from kvbaton.server.tools import ToolFields, ToolMessageFields
 
 # NOTE: OpenAI allows 4 stop sequences; each one is searched for in the text after every token, so
 # their number and length bound per-token work. vLLM sets no limit; these are generous.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+EMPTY: Mapping[str, float | int] = MappingProxyType({})
+MAX_BATCH_PROMPTS = 64  # completions with a list of prompts; each is a request of its own in the engine
 
 Count = Annotated[int, Strict(), Field(ge=0, le=INT32_MAX)]
 PositiveCount = Annotated[int, Strict(), Field(ge=1, le=INT32_MAX)]
@@ -47,6 +59,69 @@ class StreamOptions(BaseModel):
     include_usage: Annotated[bool, Strict()] = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str = Field(default="schema", max_length=64)
+    description: str | None = None
+    # NOTE: OpenAI's field is `schema`; pydantic reserves the name, hence the alias.
+    json_schema: dict[str, Any] | bool = Field(default=True, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text, JSON mode (`json_object`), or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput.json_schema({"type": "object"})
+        if self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema")
+        return StructuredOutput.json_schema(self.json_schema.json_schema)
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` extension: exactly one of json / regex / choice / grammar / json_object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1,
+                                                                     max_length=MAX_CHOICES)
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    json_object: bool | None = None
+
+    def spec(self) -> StructuredOutput:
+        given = [k for k in ("json_", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
+        if self.json_ is not None:
+            if isinstance(self.json_, str):
+                try:
+                    schema = json.loads(self.json_)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"json is not a valid JSON schema text: {exc}") from None
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError("json must be a JSON schema (an object)")
+                return StructuredOutput.json_schema(schema)
+            return StructuredOutput.json_schema(self.json_)
+        if self.regex is not None:
+            return StructuredOutput("regex", utf8_text(self.regex, "regex"))
+        if self.choice is not None:
+            return StructuredOutput.choice([utf8_text(c, "choice") for c in self.choice])
+        if self.grammar is not None:
+            return StructuredOutput("grammar", utf8_text(self.grammar, "grammar"))
+        return StructuredOutput.json_schema({"type": "object"})
+
+
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -55,7 +130,15 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, ge=MIN_TOP_P, le=1.0)
     top_k: Annotated[int, Strict(), Field(ge=-1, le=INT32_MAX)] = 0
-    n: Annotated[int, Strict(), Field(ge=1, le=1)] = 1
+    n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1  # the server's own cap: --max-n
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     seed: Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)] | None = None  # any int64, as vLLM
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
@@ -94,12 +177,52 @@ class _SamplingFields(BaseModel):
     def _salt_text(cls, salt: str | None) -> str | None:
         return None if salt is None else utf8_text(salt, "cache_salt")
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        # OpenAI's keys are token ids as strings ({"50256": -100}); the vocabulary range is the engine's check
+        if bias is not None and not all(k.isascii() and k.isdigit() and len(k) <= 10 for k in bias):
+            raise ValueError("logit_bias keys must be token ids (strings of digits)")
+        return bias
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> _SamplingFields:
+        if self.response_format is not None and self.response_format.type != "text" and self.structured_outputs:
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match: `response_format` or vLLM's `structured_outputs`."""
+        if self.structured_outputs is not None:
+            try:
+                return self.structured_outputs.spec()
+            except ValueError as exc:
+                raise InvalidRequestError(f"structured_outputs: {exc}", "structured_outputs") from None
+        if self.response_format is not None:
+            try:
+                return self.response_format.spec()
+            except ValueError as exc:
+                raise InvalidRequestError(f"response_format: {exc}", "response_format") from None
+        return None
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         defaults: Mapping[str, float | int]) -> SamplingParams:
+        """Fields the request leaves unset take the model's generation defaults (`--generation-config`)."""
+        given = self.model_fields_set
+
+        def pick(name: str, value: Any) -> Any:
+            return value if name in given or name not in defaults else defaults[name]
+
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+            temperature=pick("temperature", self.temperature), top_p=pick("top_p", self.top_p),
+            top_k=pick("top_k", self.top_k), min_p=pick("min_p", self.min_p),
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty), seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
-            cache_salt=self.cache_salt,
+            cache_salt=self.cache_salt, n=self.n, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            structured_output=self.structured_output(),
         )
 
     @property
@@ -108,33 +231,44 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    # after validation: the text, or its token ids (one prompt per request)
-    prompt: str | TokenIds
+    # after validation: a list of prompts, each its text or its token ids
+    prompt: list[str | TokenIds]
     max_tokens: PositiveCount | None = 16
     logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = None
     echo: Annotated[bool, Strict()] = False
+    suffix: str | None = None
 
     @field_validator("prompt", mode="plain", json_schema_input_type=str | list[int] | list[str] | list[list[int]])
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        """A string, a token list, or a batch of exactly one of either."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            raise ValueError("only one prompt per request is supported")
-        if isinstance(prompt, str):
-            return utf8_text(prompt, "prompt")
-        if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
-            raise ValueError("prompt must be a string, a list of token ids, or a list of one of either")
-        if not prompt:
-            raise ValueError("prompt is an empty token list")
-        return prompt
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        """A string, a token list, or a batch (a list of either)."""
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_BATCH_PROMPTS:
+            raise ValueError(f"at most {MAX_BATCH_PROMPTS} prompts per request, got {len(batch)}")
+        return [_one_prompt(p) for p in batch]
 
-    def sampling_params(self) -> SamplingParams:
-        return self._sampling_params(self.max_tokens, self.logprobs)
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:  # a fill-in-the-middle suffix needs a model trained for it; silently ignoring it would mislead
+            raise ValueError("suffix is not supported")
+        return suffix
+
+    def sampling_params(self, defaults: Mapping[str, float | int] = EMPTY) -> SamplingParams:
+        return self._sampling_params(self.max_tokens, self.logprobs, defaults)
 
 
-class ChatMessage(BaseModel):
+def _one_prompt(prompt: Any) -> str | list[int]:
+    if isinstance(prompt, str):
+        return utf8_text(prompt, "prompt")
+    if not isinstance(prompt, list) or not all(type(t) is int for t in prompt):
+        raise ValueError("prompt must be a string, a list of token ids, or a list of either")
+    if not prompt:
+        raise ValueError("prompt is an empty token list")
+    return prompt
+
+
+class ChatMessage(ToolMessageFields):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -159,19 +293,30 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: PositiveCount | None = None
     logprobs: Annotated[bool, Strict()] = False
     top_logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, float | int] = EMPTY) -> SamplingParams:
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is None:  # the model's bound (generation_config's max_new_tokens), else the context
+            max_tokens = defaults.get("max_tokens")  # type: ignore[assignment]
+        return self._sampling_params(max_tokens, logprobs, defaults)
 
     def plain_messages(self) -> list[dict]:
-        """Messages as the chat template takes them: role and text only."""
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+        """Messages as the chat template takes them: role, text, and the tool parts of the history."""
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+            if m.tool_calls:
+                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
 
 
 class AddWorkerRequest(BaseModel):

@@ -102,16 +102,20 @@ class ResponseBuilder:
     def _echoed(self, index: int) -> str:
         return self.echo[index] if self.echo is not None else ""
 
-    def full(self, outs: list[tuple[int, RequestOutput]], messages: dict[int, dict] | None = None) -> dict:
-        """The whole response; `messages` replaces a chat choice's message (tool calls parsed out of it)."""
+    def full(self, outs: list[tuple[int, RequestOutput]],
+             messages: dict[int, tuple[dict, str | None]] | None = None) -> dict:
+        """The whole response; `messages` replaces a chat choice's message and finish_reason (tool calls
+        parsed out of its text)."""
         choices = []
         for index, out in sorted(outs, key=lambda item: item[0]):
             c = out.outputs[0]
             echoed = self._echoed(index)
             choice = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
                       "logprobs": self._logprobs(c, c.logprobs or [], len(echoed))}
-            if self.kind == "chat":
-                choice["message"] = (messages or {}).get(index) or {"role": "assistant", "content": c.text}
+            if self.kind == "chat" and messages is not None and index in messages:
+                choice["message"], choice["finish_reason"] = messages[index]
+            elif self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": c.text}
             else:
                 choice["text"] = echoed + c.text
             choices.append(choice)
@@ -145,6 +149,14 @@ class ResponseBuilder:
             choice["delta"] = delta if delta is not None else {"content": text}
         else:
             choice["text"] = text
+        return self._wrap(choice)
+
+    def delta_chunk(self, index: int, delta: dict, finish_reason: str | None = None,
+                    stop_reason: int | str | None = None) -> dict:
+        """A chat chunk with this `delta` (a tool call's parts, or content the tool parser released)."""
+        choice: dict = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        if finish_reason:
+            choice["stop_reason"] = stop_reason
         return self._wrap(choice)
 
     def _wrap(self, choice: dict) -> dict:

@@ -1,0 +1,99 @@
+"""A function's `parameters`: a JSON Schema (Draft 2020-12) for its arguments object, checked before
+it reaches the prompt or a grammar engine.
+
+Bounded in size and nesting: the schema is validated, serialised into the prompt and, for a forced
+tool choice, compiled into a grammar, and every one of those costs grows with it. (OpenAI's own
+structured-output limits are tighter: 5 levels of nesting, 100 properties.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+# NOTE: jsonschema ships no type information (types-jsonschema is a separate package)
+from jsonschema import Draft202012Validator  # type: ignore[import-untyped]
+from jsonschema.exceptions import SchemaError  # type: ignore[import-untyped]
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+from referencing.jsonschema import DRAFT202012
+
+MAX_PARAMETERS_BYTES = 32 * 1024  # one schema, as compact JSON
+MAX_PARAMETERS_DEPTH = 32  # nested objects and arrays (each schema level is one or two)
+
+# NOTE: OpenAI: "omitting parameters defines a function with an empty parameter list": arguments `{}`.
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})  # their values are data, not schemas
+
+
+def schema_bytes(schema: dict[str, Any]) -> int:
+    """Its size as compact JSON; ValueError if it is not JSON text (NaN, lone surrogates)."""
+    try:
+        return len(json.dumps(schema, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode())
+    except ValueError:
+        raise ValueError("holds NaN or Infinity, which are not JSON") from None
+    except UnicodeEncodeError:
+        raise ValueError("holds a string that is not valid Unicode (a lone surrogate such as \\ud800)") from None
+
+
+def check_parameters(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema`, if it is a bounded Draft 2020-12 JSON Schema for an object; else ValueError saying why."""
+    if _depth(schema) > MAX_PARAMETERS_DEPTH:
+        raise ValueError(f"nested more than {MAX_PARAMETERS_DEPTH} levels deep")
+    if (size := schema_bytes(schema)) > MAX_PARAMETERS_BYTES:
+        raise ValueError(f"{size} bytes as JSON, more than {MAX_PARAMETERS_BYTES}")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as e:
+        raise ValueError(f"not a valid JSON Schema (Draft 2020-12): {e.json_path}: {e.message}") from None
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise ValueError(f"must describe an object (the arguments), not type {json.dumps(kind)}")
+    _check_refs(schema)
+    return schema
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth, up to one past the limit, without recursion (a hostile schema could be nested past
+    the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        deepest = max(deepest, depth)
+        if depth <= MAX_PARAMETERS_DEPTH:  # deeper is refused anyway: stop looking
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _schema_strings(schema: Any, key: str) -> Iterator[str]:
+    """The string values of `key` in schema positions (not inside `const`, `enum`, ... data)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if isinstance(node.get(key), str):
+                yield node[key]
+            stack.extend(v for k, v in node.items() if k not in _DATA_KEYWORDS)
+
+
+def _check_refs(schema: dict[str, Any]) -> None:
+    """Every `$ref` resolves within the schema: a grammar engine fetches nothing, and an unresolvable
+    reference would fail only later, when the grammar is built.
+
+    NOTE: a schema with an `$id` anywhere changes the base its references resolve against; those are
+    left to the grammar engine rather than resolved here by half."""
+    if any(True for _ in _schema_strings(schema, "$id")):
+        return
+    resolver = Registry().resolver_with_root(DRAFT202012.create_resource(schema))
+    for ref in _schema_strings(schema, "$ref"):
+        if not ref.startswith("#"):
+            raise ValueError(f"$ref {ref!r}: only references within the schema ('#...') are supported")
+        try:
+            resolver.lookup(ref)
+        except Unresolvable:
+            raise ValueError(f"$ref {ref!r} does not resolve within the schema") from None

@@ -1,0 +1,109 @@
+"""Structured outputs in the engine, on the real default model: every kind of grammar is obeyed at
+temperature 1 over many seeds (JSON validated against its schema with `jsonschema`), requests without
+a grammar are unharmed by those with one in the same batch, a bad grammar is refused naming the field,
+and a request resumed on another engine from prompt + its output so far (what the router does after a
+failover) rebuilds its matcher from those tokens and goes on exactly as it would have."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from kvbaton import LLM
+from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.engine.structured.spec import StructuredOutput
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+QUESTION = [{"role": "user", "content": "Describe a user of our website as JSON."}]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    return LLM(str(default_model_dir), dtype="float32", max_model_len=1024)
+
+
+def test_json_schema_always_validates_at_temperature_one(llm) -> None:
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=120,
+                             structured_output=StructuredOutput.json_schema(PERSON)) for seed in range(16)]
+    outs = llm.chat([QUESTION] * len(params), params[0])  # one seed first: the shared compiled grammar
+    outs = llm.generate([{"prompt_token_ids": outs[0].prompt_token_ids}] * len(params), params)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), PERSON)
+
+
+@pytest.mark.parametrize(("spec", "check"), [
+    (StructuredOutput("regex", r"\d{3}-\d{4}"), lambda text: re.fullmatch(r"\d{3}-\d{4}", text)),
+    (StructuredOutput.choice(["Paris", "London", "Rome"]), lambda text: text in ("Paris", "London", "Rome")),
+    (StructuredOutput("grammar", 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'),
+     lambda text: re.fullmatch(r"The answer is [0-9]{1,3}\.", text)),
+    (StructuredOutput("grammar", 'root ::= "yes" | "no"'), lambda text: text in ("yes", "no")),  # GBNF
+    (StructuredOutput.json_schema({"type": "object"}), lambda text: isinstance(json.loads(text), dict)),
+])
+def test_each_kind_of_grammar_is_obeyed(llm, spec, check) -> None:
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=60, structured_output=spec) for seed in range(6)]
+    outs = llm.generate([{"prompt_token_ids": llm.get_tokenizer().encode("Tell me something: ")}] * 6, params)
+    for out in outs:
+        text = out.outputs[0].text
+        if out.outputs[0].finish_reason == "length":
+            assert spec.text == '{"type":"object"}', text  # only open-ended JSON may run out of tokens
+            continue
+        assert check(text), text
+
+
+def test_requests_without_a_grammar_are_unharmed_in_the_same_batch(llm) -> None:
+    plain = SamplingParams(temperature=0.0, max_tokens=24)
+    prompts = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Count to five.")]
+    alone = [o.outputs[0].token_ids for o in llm.chat(prompts, plain)]
+    structured = SamplingParams(temperature=0.0, max_tokens=40, structured_output=StructuredOutput.json_schema(PERSON))
+    mixed_prompts = [{"prompt_token_ids": o.prompt_token_ids} for o in llm.chat(prompts, plain)]
+    question = llm.chat([QUESTION], plain)[0].prompt_token_ids
+    outs = llm.generate(mixed_prompts + [{"prompt_token_ids": question}] * 2, [plain, plain, structured, structured])
+    assert [o.outputs[0].token_ids for o in outs[:2]] == alone
+    for o in outs[2:]:
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    (StructuredOutput("regex", "(unclosed"), "invalid regex"),
+    (StructuredOutput("json", '{"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}'), "invalid json"),
+    (StructuredOutput("json", "[1, 2]"), "invalid json"),
+    (StructuredOutput("grammar", "start: undefined_rule"), "invalid grammar"),
+    (StructuredOutput("choice", "[]"), "invalid choice"),
+])
+def test_bad_grammar_is_refused_naming_the_field(llm, spec, message) -> None:
+    with pytest.raises(InvalidRequestError, match=message) as info:
+        llm.generate("hello", SamplingParams(structured_output=spec))
+    assert info.value.param == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the engine goes on
+
+
+def test_resumed_request_rebuilds_its_matcher_from_its_tokens(llm) -> None:
+    spec = StructuredOutput.json_schema(PERSON)
+    question = llm.chat([QUESTION], SamplingParams(max_tokens=1))[0].prompt_token_ids
+    whole = llm.generate({"prompt_token_ids": question},
+                         SamplingParams(temperature=0.0, max_tokens=80, structured_output=spec))[0].outputs[0]
+    assert whole.finish_reason == "stop"
+    done = 7  # the tokens a first attempt had already streamed when its worker died
+    resumed = llm.generate({"prompt_token_ids": question + whole.token_ids[:done]},
+                           SamplingParams(temperature=0.0, max_tokens=80 - done, structured_output=spec,
+                                          resumed_output_tokens=done))[0].outputs[0]
+    assert whole.token_ids[:done] + resumed.token_ids == whole.token_ids
+    jsonschema.validate(json.loads(whole.text), PERSON)
