@@ -58,5 +58,5 @@ class Flight:
         params = self.params
         max_tokens = None if params.max_tokens is None else params.max_tokens - done
         params = dataclasses.replace(params, max_tokens=max_tokens, min_tokens=max(0, params.min_tokens - done),
-                                     resumed_output_tokens=done)
+                                     resumed_output_tokens=done, prompt_logprobs=None)  # the client has them
         return self.prompt_token_ids + self.tokens, params

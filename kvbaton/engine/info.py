@@ -87,6 +87,9 @@ def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingPar
             f"and chunked prefill is off", "prompt")
     if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be <= {MAX_LOGPROBS}, got {params.logprobs}", "logprobs")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > MAX_LOGPROBS:
+        raise InvalidRequestError(f"prompt_logprobs must be <= {MAX_LOGPROBS}, got {params.prompt_logprobs}",
+                                  "prompt_logprobs")
     if not (isinstance(priority, int) and INT64_MIN <= priority <= INT64_MAX):
         raise InvalidRequestError("priority must fit in a signed 64-bit int", "priority")
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:

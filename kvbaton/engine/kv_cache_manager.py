@@ -40,8 +40,9 @@ class KVCacheManager:
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of `req`; at least one token is always left to compute,
-        because the last prompt token's logits are needed to sample."""
-        if not self.enable_caching:
+        because the last prompt token's logits are needed to sample. None for a request that asks for
+        its prompt's logprobs: every prompt token's logits are needed, and a cached block has none."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_blocks = (req.num_tokens - 1) // self.block_size
         self._extend_hashes(req, max_blocks)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TransferFailure
-from kvbaton.engine.sampler import SamplingRow, sample
+from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs, TransferFailure
+from kvbaton.engine.sampler import SamplingRow, sample, token_logprobs
 from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
@@ -31,8 +31,10 @@ class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows whose next token is sampled
-    sampled: list[ScheduledRequest]  # in the order of `logits_indices`
+    logits_indices: torch.Tensor  # [S + P] rows whose next token is sampled, then rows of prompt logprobs
+    sampled: list[ScheduledRequest]  # in the order of the first S `logits_indices`
+    # (chunk, its first row among the last P) of each chunk that predicts prompt tokens
+    prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = dataclasses.field(default_factory=list)
 
 
 class ModelRunner:
@@ -76,6 +78,8 @@ class ModelRunner:
             assert sender is not None
             meta = dataclasses.replace(meta, after_layer=lambda layer: sender.save_layer(layer, outgoing))
         logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices)
+        prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sampled):], inputs.prompt_logprob_rows)
+        logits = logits[: len(inputs.sampled)]
         rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s),
                             s.prompt_token_ids if s.sampling_params.repetition_penalty != 1.0 else (),
                             s.generated_token_ids if s.sampling_params.has_penalties else ())
@@ -85,8 +89,20 @@ class ModelRunner:
         return ModelOutput(
             {s.request_id: t for s, t in zip(inputs.sampled, tokens)},
             {s.request_id: lp for s, lp in zip(inputs.sampled, logprobs) if lp is not None},
-            failed,
+            failed, prompt_logprobs,
         )
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]],
+                         ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
+        """Each chunk's rows predict the prompt tokens after them: their logprobs, from the model's logits."""
+        out = {}
+        for s, first in rows:
+            n = s.num_prompt_logprob_rows
+            targets = list(s.prompt_token_ids[s.start_position + 1: s.start_position + 1 + n])
+            out[s.request_id] = (s.start_position, token_logprobs(logits[first: first + n].float(), targets,
+                                                                  [s.prompt_logprobs or 0] * n))
+        return out
 
     def _begin_transfers(self, scheduled: list[ScheduledRequest]) -> tuple[list[str], list[TransferFailure]]:
         """Prefill role: register the KV hand-off of every request whose prompt ends this step, so each
@@ -123,6 +139,7 @@ class ModelRunner:
                                   for s in ordered])
         ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
         sample_rows = [i for i, s in enumerate(ordered) if s.sample]
+        extra, prompt_rows = self._prompt_logprob_indices(ordered, ends)
         if self.per_token_attention:
             table, context_lens = self._per_token_context(ordered)
             meta = AttentionMetadata(self.block_size, slot_mapping, len(input_ids), table, context_lens, None, (),
@@ -135,7 +152,23 @@ class ModelRunner:
                 offset += s.num_tokens
             meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_lens,
                                      decode_mask, tuple(spans), self.decode_kernel, self.prefill_kernel)
-        return StepInputs(input_ids, positions, meta, ends[sample_rows], [ordered[i] for i in sample_rows])
+        indices = ends[sample_rows] if not extra else torch.cat([ends[sample_rows], torch.tensor(extra)])
+        return StepInputs(input_ids, positions, meta, indices, [ordered[i] for i in sample_rows], prompt_rows)
+
+    @staticmethod
+    def _prompt_logprob_indices(ordered: list[ScheduledRequest], ends: torch.Tensor,
+                                ) -> tuple[list[int], list[tuple[ScheduledRequest, int]]]:
+        """Flattened rows of the tokens whose logits give prompt logprobs (they follow the sampled rows), and
+        where each chunk's rows start among them."""
+        extra: list[int] = []
+        rows = []
+        for i, s in enumerate(ordered):
+            n = s.num_prompt_logprob_rows
+            if n:
+                start = int(ends[i]) - s.num_tokens + 1  # the chunk's first flattened row
+                rows.append((s, len(extra)))
+                extra.extend(range(start, start + n))
+        return extra, rows
 
     def _per_token_context(self, ordered: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token as a decode query: [T, nb] block table (its request's blocks) and [T] context

@@ -36,6 +36,7 @@ class _RequestState:
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     stop_string: str | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -60,6 +61,8 @@ class OutputProcessor:
             state.first_token_time = time.monotonic()
             state.first_scheduled_time = output.first_scheduled_time
             state.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None, *map(self._ranked, output.prompt_logprobs)]
         # NOTE: users see plain strings, as vLLM's `finish_reason` (str() of a str-enum is its name)
         finish_reason = None if output.finish_reason is None else output.finish_reason.value
         stop_reason = output.stop_reason
@@ -93,11 +96,15 @@ class OutputProcessor:
     def _append_logprobs(self, state: _RequestState, entry: TokenLogprobs | None) -> None:
         if state.logprobs is None or state.cumulative_logprob is None or entry is None:
             return
+        state.logprobs.append(self._ranked(entry))
+        state.cumulative_logprob += entry.logprob
+
+    def _ranked(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        """The chosen token first, then the top N by rank."""
         ranked = {entry.token_id: Logprob(entry.logprob, entry.rank, self.tokenizer.token_text(entry.token_id))}
         for rank, (token_id, logprob) in enumerate(entry.top, start=1):
             ranked.setdefault(token_id, Logprob(logprob, rank, self.tokenizer.token_text(token_id)))
-        state.logprobs.append(ranked)
-        state.cumulative_logprob += entry.logprob
+        return ranked
 
     def _build(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
         finished = finish_reason is not None
@@ -119,7 +126,8 @@ class OutputProcessor:
                                  first_scheduled_time=state.first_scheduled_time)
         if finished:
             del self._states[state.request_id]
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, metrics)
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished, metrics,
+                             state.prompt_logprobs)
 
     @staticmethod
     def _max_stop_len(state: _RequestState) -> int:

@@ -51,6 +51,14 @@ class ScheduledRequest:
     # penalties and the grammar need the tokens so far, and copying a long context every step would cost.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    prompt_logprobs: int | None = None  # top-N of the prompt tokens this chunk predicts, when asked
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """Rows of this chunk whose logits predict a prompt token (positions before the prompt's last)."""
+        if self.prompt_logprobs is None:
+            return 0
+        return max(0, min(self.start_position + self.num_tokens, len(self.prompt_token_ids) - 1) - self.start_position)
 
     @property
     def generated_token_ids(self) -> Sequence[int]:
@@ -101,6 +109,8 @@ class ModelOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # prefill role: hand-offs the runner could not begin this step (their requests' blocks are freed)
     failed_transfers: list[TransferFailure] = field(default_factory=list)
+    # request id -> (position of the first, logprobs of prompt tokens position + 1, position + 2, ...)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +124,7 @@ class EngineCoreOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() when it left the waiting queue
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with a request's first output: prompt tokens 1..n-1
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import KW_ONLY, dataclass, field
 
-from kvbaton.engine.outputs import FinishReason, RemoteDecode
+from kvbaton.engine.outputs import FinishReason, RemoteDecode, TokenLogprobs
 from kvbaton.engine.sampling_params import SamplingParams
 
 
@@ -46,6 +46,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
     first_scheduled_time: float | None = None
     remote_decode: RemoteDecode | None = None  # prefill role: hand the KV off after the prompt
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # as computed (prompt tokens 1, 2, ...)
 
     @property
     def num_tokens(self) -> int:

@@ -50,3 +50,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    # vLLM's: per prompt token, its logprob and the top N (None for the first token, which nothing predicts)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -57,7 +57,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     logprobs: list[TokenLogprobs | None] = [None] * len(rows)
     if raw is not None:
         top_ns = [rows[i].params.logprobs or 0 for i in wants_logprobs]
-        for i, entry in zip(wants_logprobs, _logprobs(raw, [tokens[i] for i in wants_logprobs], top_ns)):
+        for i, entry in zip(wants_logprobs, token_logprobs(raw, [tokens[i] for i in wants_logprobs], top_ns)):
             logprobs[i] = entry
     return tokens, logprobs
 
@@ -154,13 +154,13 @@ def warped_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     return torch.empty_like(scaled).scatter_(1, order, ordered)
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[TokenLogprobs]:
+def token_logprobs(raw: torch.Tensor, tokens: list[int], top_ns: list[int]) -> list[TokenLogprobs]:
     """Log-probabilities of the model's distribution (before temperature and processors), as vLLM reports."""
     logprobs = raw.log_softmax(-1)  # [L, V]
     chosen = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
     sampled = logprobs.gather(1, chosen)  # [L, 1]
     ranks = ((logprobs > sampled).sum(dim=1) + 1).tolist()
-    top_n = min(max(top_ns), logprobs.shape[1])  # N may exceed the vocab
+    top_n = min(max(top_ns, default=0), logprobs.shape[1])  # N may exceed the vocab
     values, ids = torch.topk(logprobs, top_n)
     out = []
     for i, (token, n) in enumerate(zip(tokens, top_ns)):

@@ -43,6 +43,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled one is always included)
+    # top-N logprobs of each prompt token after the first (vLLM's); the prompt is then computed in full,
+    # without prefix-cache hits, since a cached block has no logits
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # vLLM's request field: requests with different salts never share prefix-cache blocks (so one
@@ -102,6 +105,8 @@ class SamplingParams:
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or self.logprobs >= 0, "logprobs", f"logprobs must be >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+             "prompt_logprobs", f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in stop), "stop", "stop strings must be non-empty strings"),
             (all(isinstance(t, int) and 0 <= t <= INT64_MAX for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be token ids"),

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from kvbaton.config import SchedulerConfig
 from kvbaton.engine.kv_cache_manager import KVCacheManager
-from kvbaton.engine.outputs import EngineCoreOutput, ModelOutput, ScheduledRequest, SchedulerOutput
+from kvbaton.engine.outputs import EngineCoreOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvbaton.engine.request import Request, RequestStatus
 
 
@@ -130,6 +130,8 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             req.num_computed_tokens += item.num_tokens
+            if item.request_id in output.prompt_logprobs:
+                self._keep_prompt_logprobs(req, *output.prompt_logprobs[item.request_id])
             token = output.sampled_token_ids.get(item.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
@@ -140,15 +142,24 @@ class Scheduler:
                 req.stop_reason = stop_reason
                 self.running.remove(req)
                 self._finish(req, status)
+            first = req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None
             results.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[token], finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason, logprobs=logprobs, num_cached_tokens=max(req.num_cached_tokens, 0),
-                first_scheduled_time=req.first_scheduled_time))
+                first_scheduled_time=req.first_scheduled_time, prompt_logprobs=req.prompt_logprobs if first else None))
         for failure in output.failed_transfers:  # finished as `transfer` above: nothing will read the blocks
             self.release_held(failure.request_id)
         return results
 
     # ---- internals -------------------------------------------------------------------------
+
+    @staticmethod
+    def _keep_prompt_logprobs(req: Request, start: int, entries: list[TokenLogprobs]) -> None:
+        """Add the logprobs of prompt tokens start + 1, ... that `req` does not have yet (a preempted
+        request computes its prompt again)."""
+        have = len(req.prompt_logprobs)
+        if start <= have:
+            req.prompt_logprobs.extend(entries[have - start:])
 
     def _chunk(self, num_remaining: int, budget: int) -> int:
         num_new = min(num_remaining, budget)
@@ -215,6 +226,7 @@ class Scheduler:
                 num_output_tokens=req.num_output_tokens,
                 remote_decode=req.remote_decode if start + num_new == req.num_tokens else None,
                 prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+                prompt_logprobs=req.sampling_params.prompt_logprobs,
             ))
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         return SchedulerOutput(scheduled, finished, sum(chosen.values()),

@@ -116,9 +116,6 @@ class OpenAIServer:
         echo: list[str] | None = None
         tool_calling: ToolCalling | None = None
         if isinstance(req, CompletionRequest):
-            if req.echo and req.logprobs is not None:
-                raise ApiError(400, "echo with logprobs needs the prompt's logprobs, which this server does not "
-                                    "compute", "BadRequestError", "echo")
             kind, top_n = "completion", req.logprobs
             prompts = [await self.prompts.completion(p) for p in req.prompt]
         else:

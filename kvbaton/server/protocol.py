@@ -139,6 +139,7 @@ class _SamplingFields(BaseModel):
         default=None, max_length=MAX_LOGIT_BIAS)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
+    prompt_logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = None  # vLLM's extension
     seed: Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)] | None = None  # any int64, as vLLM
     stop: str | list[str] | None = None
     stop_token_ids: TokenIds | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
@@ -191,6 +192,9 @@ class _SamplingFields(BaseModel):
             raise ValueError("give response_format or structured_outputs, not both")
         return self
 
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        return self.prompt_logprobs
+
     def structured_output(self) -> StructuredOutput | None:
         """What the output must match: `response_format` or vLLM's `structured_outputs`."""
         if self.structured_outputs is not None:
@@ -219,6 +223,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty), seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos, logprobs=logprobs,
+            prompt_logprobs=self._prompt_logprobs(logprobs),
             cache_salt=self.cache_salt, n=self.n, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
@@ -256,6 +261,12 @@ class CompletionRequest(_SamplingFields):
 
     def sampling_params(self, defaults: Mapping[str, float | int] = EMPTY) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs, defaults)
+
+    def _prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """`echo` with `logprobs` reports the prompt's tokens' logprobs too (as OpenAI's legacy API does)."""
+        if self.echo and logprobs is not None:
+            return max(logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 def _one_prompt(prompt: Any) -> str | list[int]:

@@ -51,6 +51,33 @@ def completion_logprobs(entries: list[dict[int, Logprob]], top_n: int, start_off
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echoed_logprobs(prompt: str, entries: list[dict[int, Logprob] | None], top_n: int, generated: dict) -> dict:
+    """The legacy completions logprobs with an echoed `prompt` in front of the `generated` ones: the prompt's
+    first token has none (nothing predicts it), and its text is what the others' texts leave of the prompt."""
+    rest = [next(iter(e.values())) for e in entries[1:] if e is not None]
+    first = prompt[: max(0, len(prompt) - sum(len(lp.decoded_token or "") for lp in rest))]
+    tokens, offsets, offset = [first], [0], len(first)
+    token_lps: list[float | None] = [None]
+    tops: list[dict[str, float] | None] = [None]
+    for entry, chosen in zip([e for e in entries[1:] if e is not None], rest):
+        tokens.append(chosen.decoded_token or "")
+        token_lps.append(chosen.logprob)
+        tops.append({lp.decoded_token or "": lp.logprob for lp in _top(entry, top_n)})
+        offsets.append(offset)
+        offset += len(chosen.decoded_token or "")
+    return {key: value + generated[key] for key, value in (("tokens", tokens), ("token_logprobs", token_lps),
+                                                          ("top_logprobs", tops), ("text_offset", offsets))}
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(token): {"logprob": lp.logprob, "rank": lp.rank,
+                                                  "decoded_token": lp.decoded_token} for token, lp in e.items()}
+            for e in entries]
+
+
 def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
     def item(lp: Logprob) -> dict:
         text = lp.decoded_token or ""
@@ -70,6 +97,7 @@ class _ChoiceState:
     logprobs_sent: int = 0
     text_sent: int = 0
     started: bool = False
+    prompt_logprobs_sent: bool = False
 
 
 class ResponseBuilder:
@@ -92,12 +120,17 @@ class ResponseBuilder:
     def _state(self, index: int) -> _ChoiceState:
         return self._choices.setdefault(index, _ChoiceState())
 
-    def _logprobs(self, c: CompletionOutput, entries: list[dict[int, Logprob]], text_offset: int) -> dict | None:
+    def _logprobs(self, c: CompletionOutput, entries: list[dict[int, Logprob]], text_offset: int,
+                  echoed: tuple[str, RequestOutput] | None = None) -> dict | None:
+        """`echoed`: the echoed prompt and the output carrying its logprobs, put in front of the generated ones."""
         if c.logprobs is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries, self.top_logprobs or 0)
-        return completion_logprobs(entries, self.top_logprobs or 0, text_offset)
+        generated = completion_logprobs(entries, self.top_logprobs or 0, text_offset)
+        if echoed is None or echoed[1].prompt_logprobs is None:
+            return generated
+        return echoed_logprobs(echoed[0], echoed[1].prompt_logprobs, self.top_logprobs or 0, generated)
 
     def _echoed(self, index: int) -> str:
         return self.echo[index] if self.echo is not None else ""
@@ -110,8 +143,11 @@ class ResponseBuilder:
         for index, out in sorted(outs, key=lambda item: item[0]):
             c = out.outputs[0]
             echoed = self._echoed(index)
-            choice = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                      "logprobs": self._logprobs(c, c.logprobs or [], len(echoed))}
+            choice: dict = {"index": index, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                      "logprobs": self._logprobs(c, c.logprobs or [], len(echoed),
+                                                 (echoed, out) if self.echo is not None else None)}
+            if out.prompt_logprobs is not None and self.kind != "chat":
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
             if self.kind == "chat" and messages is not None and index in messages:
                 choice["message"], choice["finish_reason"] = messages[index]
             elif self.kind == "chat":
@@ -120,8 +156,11 @@ class ResponseBuilder:
                 choice["text"] = echoed + c.text
             choices.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+        body: dict = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage(outs, self.n), "kvbaton_timing": timing(_last(outs))}
+        if self.kind == "chat" and outs and outs[0][1].prompt_logprobs is not None:  # vLLM's place for chat
+            body["prompt_logprobs"] = prompt_logprobs_json(outs[0][1].prompt_logprobs)
+        return body
 
     def role_chunk(self, index: int) -> dict:
         """Chat's first chunk of a choice: the role, no content."""
@@ -135,12 +174,17 @@ class ResponseBuilder:
         c = out.outputs[0]
         new_entries = (c.logprobs or [])[state.logprobs_sent:]
         text = c.delta_text
+        echoed = None
         if not state.started:
             text = self._echoed(index) + text
             state.text_sent += len(self._echoed(index))
             state.started = True
+            echoed = (self._echoed(index), out) if self.echo is not None else None
         choice: dict = {"index": index, "finish_reason": c.finish_reason,
-                        "logprobs": self._logprobs(c, new_entries, state.text_sent)}
+                        "logprobs": self._logprobs(c, new_entries, state.text_sent, echoed)}
+        if echoed is None and not state.prompt_logprobs_sent and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+        state.prompt_logprobs_sent = state.prompt_logprobs_sent or out.prompt_logprobs is not None
         state.logprobs_sent = len(c.logprobs or [])
         if c.finish_reason:
             choice["stop_reason"] = c.stop_reason

@@ -24,6 +24,11 @@ TORCH_FREE = [
     "kvbaton.kv.hashing",
     "kvbaton.kv.connectors.base",
     "kvbaton.cli",
+    "kvbaton.server.tools",
+    "kvbaton.server.tool_calling",
+    "kvbaton.server.grammars",
+    "kvbaton.engine.structured.grammar",
+    "kvbaton.client.cli",
 ]
 
 

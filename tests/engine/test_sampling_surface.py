@@ -9,7 +9,7 @@ from __future__ import annotations
 import llguidance.torch
 import pytest
 import torch
-from helpers import TINY_VOCAB, hf_greedy
+from helpers import TINY_VOCAB, hf_greedy, hf_logits
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -168,3 +168,19 @@ def test_logit_bias_greedy_matches_transformers_sequence_bias(tiny_llm, tiny_mod
     ours = _greedy(tiny_llm, logit_bias=bias)
     assert ours == _hf_generate(tiny_models["llama"], sequence_bias=[[[t], v] for t, v in bias.items()])
     assert ours != plain
+
+
+def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cache(tiny_models) -> None:
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", block_size=4, max_num_batched_tokens=8)
+    prompt = list(range(3, 26))
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))  # its blocks now cached
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0,
+                                                                    prompt_logprobs=3))[0]
+    assert out.metrics.num_cached_tokens == 0  # a cached block has no logits: the prompt is computed again
+    ref = hf_logits(tiny_models["llama"], prompt).log_softmax(-1)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        chosen = next(iter(entry.values()))
+        assert list(entry)[0] == prompt[i]
+        assert abs(chosen.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
+        assert set(torch.topk(ref[i - 1], 3).indices.tolist()) <= set(entry)  # the top 3, beside the prompt's own

@@ -277,3 +277,26 @@ def test_bad_input_is_a_400_and_the_server_keeps_serving(base, body, param) -> N
     ok = httpx.post(f"{base}/v1/chat/completions", timeout=60,
                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_echo_with_logprobs_and_prompt_logprobs(client) -> None:
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    lp = echoed.choices[0].logprobs
+    n_prompt = echoed.usage.prompt_tokens
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    assert "".join(lp.tokens) == echoed.choices[0].text
+    assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+    assert lp.tokens[n_prompt:] == plain.choices[0].logprobs.tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True))
+    assert streamed == echoed.choices[0].text
+    asked = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      extra_body={"prompt_logprobs": 1})
+    entries = asked.choices[0].model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == n_prompt
+    # the prompt token's own logprob, as the echoed legacy format reports it
+    assert [next(iter(e.values()))["logprob"] for e in entries[1:]] == pytest.approx(lp.token_logprobs[1:n_prompt],
+                                                                                       abs=1e-4)
