@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="clients may set a priority in [-N, N] (default 1000000; 0: no client priorities)")
     serve.add_argument("--max-workers", type=int, default=16,
                        help="the most workers the pool may have; POST /admin/workers refuses beyond it")
+    serve.add_argument("--max-n", type=int, default=16,
+                       help="the most choices (n) a request may ask for; more is a 400 (default 16, at most 128)")
     _add_generation_config_arg(serve)
     pd = serve.add_argument_group("disaggregation (prefill/decode worker pools behind a router)")
     pd.add_argument("--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill themselves)")
@@ -207,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            api_key=args.api_key, admin_api_key=args.admin_api_key,
                            max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                            max_priority_range=args.max_priority_range, max_workers=args.max_workers,
-                           generation_config=args.generation_config,
+                           max_n=args.max_n, generation_config=args.generation_config,
                            deployment=deployment_from_args(args))
     return serve(engine_config_from_args(args), options)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields
@@ -49,11 +50,14 @@ class LLM:
             raise ValueError("sampling_params list must match the prompts in length")
         priorities = priority or [0] * len(prompts)
         for prompt, p in zip(prompts, params):
-            self.engine.validate(tokenize_prompt(self.engine.tokenizer, prompt)[1], p)
+            self.engine.validate(tokenize_prompt(self.engine.tokenizer, prompt)[1], _sample(p, 0))
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         for request_id, prompt, p, prio in zip(ids, prompts, params, priorities):
-            self.engine.add_request(request_id, prompt, p, prio)
-        return self._run(ids, use_tqdm)
+            for j in range(p.n):  # n samples: n requests, their prompt's blocks shared through the prefix cache
+                self.engine.add_request(_child_id(request_id, j, p.n), prompt, _sample(p, j), prio)
+        finished = self._run([_child_id(i, j, p.n) for i, p in zip(ids, params) for j in range(p.n)], use_tqdm)
+        return [_merged(request_id, [finished[_child_id(request_id, j, p.n)] for j in range(p.n)])
+                for request_id, p in zip(ids, params)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
@@ -62,7 +66,7 @@ class LLM:
             self.engine.tokenizer.apply_chat_template(c)), "prompt": None} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         progress = None
         if use_tqdm:
@@ -77,7 +81,7 @@ class LLM:
                         progress.update(1)
         if progress is not None:
             progress.close()
-        return [finished[i] for i in ids]
+        return finished
 
     @staticmethod
     def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -86,6 +90,26 @@ class LLM:
         if _is_token_ids(prompts):
             return [{"prompt_token_ids": prompts}]
         return list(prompts)
+
+
+def _child_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+def _sample(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of n: one sequence, seeded seed + index (so the samples differ and repeat run to run)."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63
+    return dataclasses.replace(params, n=1, seed=seed)
+
+
+def _merged(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
+    """n samples of one prompt as one output with n completions, as vLLM's `LLM` returns them."""
+    if len(samples) == 1:
+        return samples[0]
+    completions = [dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)]
+    return dataclasses.replace(samples[0], request_id=request_id, outputs=completions)
 
 
 def _is_batch(messages: list[dict] | list[list[dict]]) -> TypeIs[list[list[dict]]]:

@@ -31,6 +31,7 @@ class ServeOptions:
     max_request_bytes: int = 4 * 2**20
     max_priority_range: int = 10**6
     max_workers: int = 16
+    max_n: int = 16
     generation_config: str = AUTO  # auto | vllm | PATH, as vLLM's --generation-config
     deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
 
@@ -46,7 +47,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               bind_host=options.host, admission=AdmissionLimits(options.max_waiting_requests),
                               max_request_bytes=options.max_request_bytes,
                               max_priority_range=options.max_priority_range, max_workers=options.max_workers,
-                              generation_defaults=defaults)
+                              max_n=options.max_n, generation_defaults=defaults)
     return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options))
 
 

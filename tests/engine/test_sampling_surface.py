@@ -184,3 +184,13 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cac
         assert list(entry)[0] == prompt[i]
         assert abs(chosen.logprob - float(ref[i - 1, prompt[i]])) < 1e-4
         assert set(torch.topk(ref[i - 1], 3).indices.tolist()) <= set(entry)  # the top 3, beside the prompt's own
+
+
+def test_offline_n_samples_are_seed_plus_index(tiny_llm) -> None:
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    many = tiny_llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=40, max_tokens=10))[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    singles = [tiny_llm.generate(prompt, SamplingParams(temperature=1.0, seed=40 + j, max_tokens=10))[0]
+               .outputs[0].token_ids for j in range(3)]
+    assert [c.token_ids for c in many.outputs] == singles
+    assert len({tuple(t) for t in singles}) == 3

@@ -253,7 +253,10 @@ def test_async_client_streams_structured_output(base) -> None:
 @pytest.mark.parametrize(("body", "param"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {  # a feature llguidance lacks
+        "type": "object", "not": {"required": ["a"]}}}}}, "response_format"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(?=look)ahead"}}, "structured_outputs"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, None),
