@@ -9,11 +9,10 @@ knows the engines only through the `EngineClient` protocol.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +30,7 @@ from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import INT64_MAX, MAX_N, InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
+from kvbaton.server.choices import merged, request_choices, tool_chunks
 from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.errors import ApiError, HttpError, http_error
 from kvbaton.server.grammars import GrammarCheck
@@ -41,7 +41,7 @@ from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvbaton.server.responses import ResponseBuilder, sse
 from kvbaton.server.tokenize_routes import add_tokenize_routes
 from kvbaton.server.tool_calling import ToolCalling, plan_tool_calling
-from kvbaton.server.tools import ToolCallDelta, ToolStreamParser, chat_finish_reason, inspect_chat_template
+from kvbaton.server.tools import inspect_chat_template
 
 DISCONNECT_POLL_S = 0.5
 
@@ -145,7 +145,7 @@ class OpenAIServer:
         if isinstance(req, CompletionRequest) and req.echo:  # after the check: the token ids are in the vocabulary
             echo = [text if text is not None else await self.prompts.decode(ids) for text, ids in prompts]
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:20]}"
-        choices = list(_choices(request_id, prompts, params))
+        choices = list(request_choices(request_id, prompts, params))
         for i, choice in enumerate(choices):
             refusal = self.admission.try_admit(choice.request_id, len(choice.token_ids))
             if refusal is not None:
@@ -189,11 +189,11 @@ class OpenAIServer:
             if kind == "chat":
                 for index in streams:
                     yield sse(builder.role_chunk(index))
-            async for index, out in _merged(streams):
+            async for index, out in merged(streams):
                 last[index] = out
                 c = out.outputs[0]
                 if index in parsers:
-                    for chunk in _tool_chunks(builder, index, out, parsers[index], tool_calling):
+                    for chunk in tool_chunks(builder, index, out, parsers[index], tool_calling):
                         yield sse(chunk)
                 elif c.delta_text or c.finish_reason or (c.logprobs and c.delta_token_ids):
                     yield sse(builder.chunk(index, out))
@@ -236,84 +236,6 @@ class OpenAIServer:
         messages = None if tool_calling is None else {
             index: tool_calling.message(out.outputs[0].text, out.outputs[0].finish_reason) for index, out in outs}
         return JSONResponse(builder.full(outs, messages))
-
-
-def _tool_chunks(builder: ResponseBuilder, index: int, out: RequestOutput, parser: ToolStreamParser,
-                 tool_calling: ToolCalling | None) -> list[dict]:
-    """A tool-calling choice's stream chunks for its latest output: content and call deltas as the parser
-    releases them, and, once it ends, the rest and a last chunk with the finish_reason."""
-    c = out.outputs[0]
-    deltas = parser.feed(c.delta_text) if c.delta_text else []
-    if c.finish_reason:
-        deltas += parser.finish()
-    if tool_calling is not None and not tool_calling.parallel:
-        deltas = [d for d in deltas if not isinstance(d, ToolCallDelta) or d.index == 0]
-    chunks = [builder.delta_chunk(index, d.openai()) for d in deltas]
-    if c.finish_reason:
-        chunks.append(builder.delta_chunk(index, {}, chat_finish_reason(c.finish_reason, bool(parser.calls)),
-                                          c.stop_reason))
-    return chunks
-
-
-@dataclass(frozen=True)
-class _Choice:
-    index: int
-    request_id: str
-    prompt: str | None
-    token_ids: list[int]
-    params: SamplingParams
-
-
-def _choices(request_id: str, prompts: list[tuple[str | None, list[int]]],
-             params: SamplingParams) -> Iterator[_Choice]:
-    """One engine request per prompt x n. A seeded request's samples get seeds seed, seed + 1, ... so they
-    differ from each other and repeat run to run. The n samples of a prompt share its KV blocks through
-    the prefix cache."""
-    n = params.n
-    for p, (prompt, token_ids) in enumerate(prompts):
-        for j in range(n):
-            index = p * n + j
-            seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
-            child = dataclasses.replace(params, n=1, seed=seed)
-            yield _Choice(index, request_id if len(prompts) * n == 1 else f"{request_id}-{index}", prompt, token_ids,
-                          child)
-
-
-async def _merged(streams: dict[int, AsyncGenerator[RequestOutput, None]],
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Outputs of several choices as they come, each with its index. An error in one ends the whole; closing
-    this closes (so aborts) every choice still running."""
-    if len(streams) == 1:  # the common case, without tasks
-        (index, only), = streams.items()
-        async with contextlib.aclosing(only) as gen:
-            async for out in gen:
-                yield index, out
-        return
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
-        try:
-            async for out in gen:
-                await queue.put((index, out))
-            await queue.put((index, None))
-        except Exception as exc:
-            await queue.put((index, exc))
-
-    tasks = [asyncio.create_task(pump(index, gen)) for index, gen in streams.items()]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:

@@ -54,7 +54,8 @@ def test_bad_prompt_is_refused_and_changes_nothing(llm, prompt, params, message)
     ({"top_p": 1.01}, "top_p must be in"),
     ({"max_tokens": 0}, "max_tokens must be in"),
     ({"top_k": -3}, "top_k"),
-    ({"n": 2}, "n: only n=1"),
+    ({"n": 0}, "n must be in"),
+    ({"n": 129}, "n must be in"),
 ])
 def test_invalid_sampling_values(kwargs, message):
     with pytest.raises(InvalidRequestError, match=message):

@@ -41,7 +41,6 @@ HOSTILE = [  # (path, body: dict or raw JSON text, the param the error must name
     (CHAT, _chat("x" * 200_000), "messages"),
     (C, {"prompt": []}, "prompt"),
     (C, {"prompt": [[]]}, "prompt"),
-    (C, {"prompt": ["a", "b"]}, "prompt"),
     (C, {"prompt": [1, "a"]}, "prompt"),
     (C, {"prompt": [True, 2]}, "prompt"),
     (C, {"prompt": [1.5]}, "prompt"),
@@ -77,7 +76,14 @@ HOSTILE = [  # (path, body: dict or raw JSON text, the param the error must name
     (C, {"prompt": "hi", "cache_salt": "s" * 1000}, "cache_salt"),
     (C, {"prompt": "hi", "cache_salt": 7}, "cache_salt"),
     (C, {"prompt": "hi", "logprobs": 10**6}, "logprobs"),
-    (C, {"prompt": "hi", "n": 2}, "n"),
+    (C, {"prompt": "hi", "n": 17}, "n"),  # above --max-n
+    (C, {"prompt": "hi", "n": 10**6}, "n"),
+    (C, {"prompt": ["hi"] * 65}, "prompt"),  # a batch above 64 prompts
+    (C, {"prompt": "hi", "logit_bias": {"1": 1e9}}, "logit_bias.1"),
+    (C, {"prompt": "hi", "structured_outputs": {"regex": "a" * 300_000}}, "structured_outputs.regex"),
+    (C, {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}},
+     "response_format"),
+    (C, {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     (C, {"prompt": "hi", "stream": "yes"}, "stream"),
     (C, {"prompt": "hi", "stream_options": {"include_usage": "x"}}, "stream_options.include_usage"),
     (C, {"prompt": "hi", "model": "\ud800"}, "model"),
