@@ -8,9 +8,7 @@ points (`kvbaton.platform.process`): a core is one object, not the process.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +29,9 @@ from kvbaton.engine.outputs import (
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
+from kvbaton.engine.structured.admission import GrammarAdmission
 from kvbaton.engine.structured.grammar import GrammarCompiler
 from kvbaton.engine.structured.matchers import GrammarMatchers
-from kvbaton.engine.structured.spec import StructuredOutput
 from kvbaton.engine.transfers import KVHandoff, Reservation
 from kvbaton.kernels import cpu_kernels
 from kvbaton.kernels.linear import amx_enabled
@@ -50,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 # A batch that raises fails its requests; this many in a row and the engine, not a request, is at fault.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-# With only requests whose grammar is compiling, a step waits this long for one instead of spinning.
-GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -100,9 +96,7 @@ class EngineCore:
         self.handoff, self.runner = self._build_runner(model, num_blocks, kv_transfer)
         self._consecutive_step_failures = 0
         self.model_dir = model_dir
-        self._grammar_compiler: GrammarCompiler | None = None
-        # requests whose grammar is still compiling: they join the scheduler once it is ready, so no step waits
-        self._compiling: dict[str, tuple[Request, Future]] = {}
+        self.grammars = GrammarAdmission(self._grammar_compiler)  # requests wait there for their grammar
         if config.compile:
             from kvbaton.engine.compile import compile_model
 
@@ -144,72 +138,48 @@ class EngineCore:
         """Raise InvalidRequestError if `params`' grammar does not compile; blocks until compiled (the offline
         API's check before it queues anything; a worker never blocks its loop on it)."""
         if params.structured_output is not None:
-            self._compile(params.structured_output).result()
+            self.grammars.compile(params.structured_output).result()
 
     def add_request(self, req: Request) -> None:
         self.validate(req)
         spec = req.sampling_params.structured_output
-        if spec is None:
-            self.scheduler.add_request(req)
-            return
-        if req.request_id in self._compiling or req.request_id in self.scheduler.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        compiled = self._compile(spec)
-        if compiled.done() and compiled.exception() is not None:
-            raise compiled.exception()  # type: ignore[misc]
-        if compiled.done():
-            self.scheduler.add_request(req)
-        else:
-            self._compiling[req.request_id] = (req, compiled)
+        if spec is not None:
+            if req.request_id in self.grammars or req.request_id in self.scheduler.requests:
+                raise ValueError(f"duplicate request id {req.request_id!r}")
+            if self.grammars.hold(req, spec):
+                return  # it joins the scheduler once its grammar is compiled
+        self.scheduler.add_request(req)
 
-    def _compile(self, spec: StructuredOutput) -> Future:
-        """Start compiling `spec` in the background (cached by spec); the first one builds the compiler."""
-        if self._grammar_compiler is None:
-            from kvbaton.engine.tokenizer import Tokenizer
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The compiler, and the runner's matchers over it (built with the first structured request)."""
+        from kvbaton.engine.tokenizer import Tokenizer
 
-            model_dir, info = self.model_dir, self.info
-            self._grammar_compiler = GrammarCompiler.for_tokenizer(
-                lambda: Tokenizer(model_dir).backend.to_str(), info.vocab_size, info.eos_token_ids)
-            self.runner.grammars = GrammarMatchers(self._grammar_compiler, info.vocab_size, info.eos_token_ids,
-                                                   num_threads=max(1, torch.get_num_threads()))
-        return self._grammar_compiler.compile(spec)
-
-    def _admit_compiled(self) -> list[RequestFailure]:
-        """Requests whose grammar is ready join the scheduler; those whose grammar failed end."""
-        if not self._compiling:
-            return []
-        if not self.scheduler.has_unfinished():
-            concurrent.futures.wait([f for _, f in self._compiling.values()], timeout=GRAMMAR_WAIT_S,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        failures = []
-        for request_id, (req, compiled) in list(self._compiling.items()):
-            if not compiled.done():
-                continue
-            del self._compiling[request_id]
-            if compiled.exception() is not None:
-                failures.append(RequestFailure(request_id, str(compiled.exception()), in_step=False))
-            else:
-                self.scheduler.add_request(req)
-        return failures
+        model_dir, info = self.model_dir, self.info
+        compiler = GrammarCompiler.for_tokenizer(lambda: Tokenizer(model_dir).backend.to_str(), info.vocab_size,
+                                                 info.eos_token_ids)
+        self.runner.grammars = GrammarMatchers(compiler, info.vocab_size, info.eos_token_ids,
+                                               num_threads=max(1, torch.get_num_threads()))
+        return compiler
 
     def abort_requests(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """End requests from outside a step (client gone, stop string seen); frees their blocks at
         once, hand-offs in flight included."""
         self.handoff.abort(request_ids)
-        for request_id in request_ids:
-            self._compiling.pop(request_id, None)
+        self.grammars.abort(request_ids)
         # NOTE: only a stop string (STOP) or an abort ends a request from outside; anything else aborts
         status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP else RequestStatus.FINISHED_ABORTED
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._compiling)
+        return self.scheduler.has_unfinished() or bool(self.grammars)
 
     def step(self) -> StepResult:
         """One scheduled batch through the model. A batch that raises fails its own requests (their
         blocks freed) and the engine goes on; `MAX_CONSECUTIVE_STEP_FAILURES` in a row mean the engine
         itself is broken, and the error propagates (the worker exits and its supervisor replaces it)."""
-        refused = self._admit_compiled()
+        ready, refused = self.grammars.ready(idle=not self.scheduler.has_unfinished())
+        for req in ready:
+            self.scheduler.add_request(req)
         sched = self.scheduler.schedule()
         try:
             model_output = self.runner.execute(sched)
@@ -236,7 +206,7 @@ class EngineCore:
         """Decode role: validate `req`, reserve blocks for its prompt's KV and expect it (None: no room now)."""
         self.validate(req)
         if req.sampling_params.structured_output is not None:
-            self._compile(req.sampling_params.structured_output)  # ready, most likely, by the first decode step
+            self.grammars.compile(req.sampling_params.structured_output)  # ready, most likely, by the first decode
         return self.handoff.reserve(req, deadline_s)
 
     def start_decode(self, request_id: str, first_token_id: int) -> None:
@@ -283,7 +253,7 @@ class EngineCore:
     def num_requests(self) -> int:
         """Requests holding blocks: running, waiting, held for sending, receiving."""
         s = self.scheduler
-        return len(s.running) + len(s.waiting) + len(s.held) + len(s.receiving) + len(self._compiling)
+        return len(s.running) + len(s.waiting) + len(s.held) + len(s.receiving) + len(self.grammars)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -292,5 +262,4 @@ class EngineCore:
         """Stop the connector's threads and give back a shared pool's name."""
         self.handoff.close()
         self.runner.pools.close()
-        if self._grammar_compiler is not None:
-            self._grammar_compiler.close()
+        self.grammars.close()

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
+import llguidance
 import pytest
 
 from kvbaton import LLM
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.engine.structured.admission import GrammarAdmission
+from kvbaton.engine.structured.grammar import GrammarCompiler
+from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.engine.structured.spec import StructuredOutput
+from kvbaton.engine.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -107,3 +113,50 @@ def test_resumed_request_rebuilds_its_matcher_from_its_tokens(llm) -> None:
                                           resumed_output_tokens=done))[0].outputs[0]
     assert whole.token_ids[:done] + resumed.token_ids == whole.token_ids
     jsonschema.validate(json.loads(whole.text), PERSON)
+
+
+def test_a_compiling_grammar_holds_only_its_own_request(llm) -> None:
+    """The engine core as a worker drives it. The compiler's tokenizer is held back by a gate: the structured
+    request waits outside the scheduler while a plain one runs to its end, then runs once its grammar is ready."""
+    core, gate = llm.engine.core, threading.Event()
+    model_dir, info = core.model_dir, core.info
+
+    def gated_compiler() -> GrammarCompiler:
+        def tokenizer():
+            assert gate.wait(120)
+            return llguidance.LLTokenizer(Tokenizer(model_dir).backend.to_str(), n_vocab=info.vocab_size,
+                                          eos_token=list(info.eos_token_ids))
+
+        compiler = GrammarCompiler(tokenizer)
+        core.runner.grammars = GrammarMatchers(compiler, info.vocab_size, info.eos_token_ids)
+        return compiler
+
+    saved = core.grammars, core.runner.grammars
+    core.grammars = GrammarAdmission(gated_compiler)
+    try:
+        question = llm.chat([QUESTION], SamplingParams(max_tokens=1))[0].prompt_token_ids
+        structured = SamplingParams(temperature=0.0, max_tokens=80,
+                                    structured_output=StructuredOutput.json_schema(PERSON))
+        core.add_request(core.new_request("held", question, structured))
+        core.add_request(core.new_request("plain", question, SamplingParams(temperature=0.0, max_tokens=8)))
+        tokens: dict[str, list[int]] = {"held": [], "plain": []}
+        finished: set[str] = set()
+        for _ in range(200):
+            for out in core.step().outputs:
+                tokens[out.request_id] += out.new_token_ids
+                if out.finish_reason is not None:
+                    finished.add(out.request_id)
+            if "plain" in finished:
+                break
+        assert finished == {"plain"} and not tokens["held"]
+        assert "held" in core.grammars and core.scheduler.num_waiting + core.scheduler.num_running == 0
+        gate.set()
+        while core.has_unfinished_requests():
+            for out in core.step().outputs:
+                tokens[out.request_id] += out.new_token_ids
+        text = llm.get_tokenizer().decode(tokens["held"], skip_special_tokens=True)
+        jsonschema.validate(json.loads(text), PERSON)
+    finally:
+        gate.set()
+        core.grammars.close()
+        core.grammars, core.runner.grammars = saved
