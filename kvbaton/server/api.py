@@ -85,6 +85,10 @@ class OpenAIServer:
         self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
         self.grammars = GrammarCheck(client.tokenizer, client.info.vocab_size, client.info.eos_token_ids)
         self.generation_defaults = settings.generation_defaults.overrides()
+        # NOTE: a --generation-config PATH may name EOS ids the workers (which read the model's own files) do
+        # not know: they stop a request as stop tokens, unless it asks to ignore EOS.
+        self.extra_eos = [t for t in settings.generation_defaults.eos_token_ids
+                          if t not in client.info.eos_token_ids and 0 <= t < client.info.vocab_size]
         self.chat_template = inspect_chat_template(client.tokenizer.hf.chat_template)
         client.add_stats_listener(self.metrics.observe_stats)
 
@@ -101,6 +105,9 @@ class OpenAIServer:
 
     def sampling_params(self, req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
         params = req.sampling_params(self.generation_defaults)
+        if self.extra_eos and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + [
+                t for t in self.extra_eos if t not in params.stop_token_ids])
         if params.n > self.settings.max_n:
             raise ApiError(400, f"n must be at most {self.settings.max_n} on this server (--max-n), got {params.n}",
                            "BadRequestError", "n")

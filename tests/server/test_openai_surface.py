@@ -311,3 +311,21 @@ def test_echo_with_logprobs_and_prompt_logprobs(client) -> None:
     # the prompt token's own logprob, as the echoed legacy format reports it
     assert [next(iter(e.values()))["logprob"] for e in entries[1:]] == pytest.approx(lp.token_logprobs[1:n_prompt],
                                                                                        abs=1e-4)
+
+
+def test_generation_config_path_sets_defaults_and_eos(tmp_path, default_model_dir) -> None:
+    from kvbaton.engine.tokenizer import Tokenizer
+
+    period = Tokenizer(default_model_dir).encode(".", add_special_tokens=False)[-1]
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "max_new_tokens": 40, "eos_token_id": [2, period]}))
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--generation-config",
+                        str(tmp_path)) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+        ask = [{"role": "user", "content": "Tell me about Paris in three sentences."}]
+        first = client.chat.completions.create(model=MODEL, messages=ask)  # no temperature, no max_tokens
+        again = client.chat.completions.create(model=MODEL, messages=ask)
+        assert first.choices[0].message.content == again.choices[0].message.content  # its temperature 0
+        assert first.choices[0].finish_reason == "stop" and first.choices[0].message.content.endswith(".")
+        assert first.choices[0].message.content.count(".") == 1  # the period is an EOS of this config
+        assert first.usage.completion_tokens <= 40
