@@ -11,6 +11,8 @@ distribution before penalties, bias, grammar and temperature, as vLLM reports by
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,13 +66,26 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
 
 def apply_token_bitmask(logits: torch.Tensor, row_ids: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set the logits of tokens whose bit is clear to -inf, on rows `row_ids` (bit j of word w is token
-    32w + j, llguidance's and xgrammar's layout)."""
+    32w + j, llguidance's and xgrammar's layout).
+
+    Each mask byte picks its 8 tokens' additive 0 / -inf row from a 256-entry table: one gather and one
+    indexed add. For 16 rows of a 49k vocabulary that is 0.65 ms on one Xeon core, where unpacking the bits
+    with shifts and a masked fill took 9.7 ms (benchmarks/results/grammar-engines.md)."""
     vocab = logits.shape[1]
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()  # [G, V]
-    if allowed.shape[1] < vocab:  # a tokenizer smaller than the model's embedding: the rest never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    logits[row_ids] = logits[row_ids].masked_fill(~allowed, float("-inf"))
+    # NOTE: bytes in memory order: on a little-endian CPU (x86, Arm) byte k of word w holds its bits 8k..8k+7
+    by_byte = bitmask.contiguous().view(torch.uint8).flatten().long()
+    additive = _byte_table(logits.dtype).index_select(0, by_byte).view(len(row_ids), -1)  # [G, 32 * words]
+    if additive.shape[1] < vocab:  # a tokenizer smaller than the model's embedding: the rest never allowed
+        additive = torch.nn.functional.pad(additive, (0, vocab - additive.shape[1]), value=float("-inf"))
+    logits.index_add_(0, row_ids, additive[:, :vocab])
+
+
+@functools.cache
+def _byte_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: row b is 0 where bit j of b is set, else -inf (a constant, built once per dtype)."""
+    assert sys.byteorder == "little", "the bitmask's bytes are read in little-endian order"
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.zeros(256, 8, dtype=dtype).masked_fill_(bits == 0, float("-inf"))
 
 
 def _mask_banned(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -194,3 +194,11 @@ def test_offline_n_samples_are_seed_plus_index(tiny_llm) -> None:
                .outputs[0].token_ids for j in range(3)]
     assert [c.token_ids for c in many.outputs] == singles
     assert len({tuple(t) for t in singles}) == 3
+
+
+def test_bitmask_narrower_than_the_vocabulary_bans_the_rest() -> None:
+    logits = torch.zeros(2, 100)
+    mask = torch.full((1, 3), -1, dtype=torch.int32)  # 96 tokens allowed: a tokenizer smaller than the embedding
+    apply_token_bitmask(logits, torch.tensor([1]), mask)
+    assert torch.equal(logits[0], torch.zeros(100))
+    assert torch.equal(torch.isinf(logits[1]), torch.arange(100) >= 96)
