@@ -234,7 +234,9 @@ def router_peer(spec: WorkerSpec) -> Peer:
 def build_core(spec: WorkerSpec, role: Role, secret: bytes) -> EngineCore:
     model_dir = resolve_model(spec.engine.model)
     eos = eos_token_ids(ModelConfig.from_dir(model_dir), Tokenizer(model_dir))
-    return EngineCore(spec.engine, model_dir, eos, role.kv_transfer(spec, secret))
+    core = EngineCore(spec.engine, model_dir, eos, role.kv_transfer(spec, secret))
+    core.grammars.start()  # a served engine expects structured requests: their compiler loads while it waits
+    return core
 
 
 def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) -> None:

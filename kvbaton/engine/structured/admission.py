@@ -26,11 +26,16 @@ class GrammarAdmission:
         self.compiler: GrammarCompiler | None = None
         self._compiling: dict[str, tuple[Request, Future]] = {}
 
-    def compile(self, spec: StructuredOutput) -> Future:
-        """Start compiling `spec` in the background (cached by spec)."""
+    def start(self) -> GrammarCompiler:
+        """Build the compiler now (its tokenizer then loads in the compiler's thread): a server's workers do
+        this at start, so the first structured request does not pay ~1 s of loading beside running ones."""
         if self.compiler is None:
             self.compiler = self._make_compiler()
-        return self.compiler.compile(spec)
+        return self.compiler
+
+    def compile(self, spec: StructuredOutput) -> Future:
+        """Start compiling `spec` in the background (cached by spec)."""
+        return self.start().compile(spec)
 
     def hold(self, req: Request, spec: StructuredOutput) -> bool:
         """True if `req` must wait for its grammar (it is held here); raises if its grammar is known bad."""

@@ -93,7 +93,12 @@ class GrammarCompiler:
 
     def _build(self, spec: StructuredOutput) -> llguidance.LLMatcher:
         grammar = grammar_text(spec)
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0, limits=PARSER_LIMITS)
+        try:
+            tokenizer = self._tokenizer.result()
+        except Exception as exc:  # e.g. a tokenizer llguidance cannot read: every grammar is refused, clearly
+            raise InvalidRequestError(f"structured outputs are not available with this model's tokenizer: "
+                                      f"{type(exc).__name__}: {str(exc)[:300]}", "structured_outputs") from None
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if matcher.is_error():  # NOTE: kept in the cache: the same bad spec again is refused at no cost
             raise InvalidRequestError(f"invalid {spec.kind}: {matcher.get_error()[:500]}", "structured_outputs")
         return matcher
