@@ -48,6 +48,7 @@ import datetime as dt
 import json
 import random
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,7 +57,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import jsonschema
@@ -786,8 +787,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _terminate(signum: int, frame: object) -> NoReturn:  # SIGTERM / SIGHUP: unwind, so every server is stopped
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGHUP, _terminate)
     engines = ["kvbaton", *[p for p in args.peers.replace(" ", "").split(",") if p and p != "none"]]
     if set(engines) - set(ENGINES):
         raise SystemExit(f"unknown peers: {sorted(set(engines) - set(ENGINES))}; choose from vllm")

@@ -293,6 +293,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
             compute_path = None
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
+                "prefix_cache_queried_tokens": s.prefix_cache_queried_tokens,
+                "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
                 "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending,
                 "compute_path": compute_path}
 

@@ -46,7 +46,9 @@ def request_choices(request_id: str, prompts: list[tuple[str | None, list[int]]]
              params: SamplingParams) -> Iterator[Choice]:
     """One engine request per prompt x n. A seeded request's samples get seeds seed, seed + 1, ... so they
     differ from each other and repeat run to run. The n samples of a prompt share its KV blocks through
-    the prefix cache."""
+    the prefix cache, even when they are admitted in the same step: a block enters the cache's index when
+    it is allocated for the tokens scheduled into it, and each layer writes the step's KV before any
+    attention reads it."""
     n = params.n
     for p, (prompt, token_ids) in enumerate(prompts):
         for j in range(n):

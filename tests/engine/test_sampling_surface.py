@@ -187,9 +187,12 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_prefix_cac
 
 
 def test_offline_n_samples_are_seed_plus_index(tiny_llm) -> None:
-    prompt = {"prompt_token_ids": PROMPTS[1]}
+    prompt = {"prompt_token_ids": list(range(100, 141))}  # fresh: 10 full blocks of 4
+    hits = tiny_llm.engine.stats().prefix_cache_hit_tokens
     many = tiny_llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=40, max_tokens=10))[0]
     assert [c.index for c in many.outputs] == [0, 1, 2]
+    # all three were admitted in one step, and the second and third still hit the first one's blocks
+    assert tiny_llm.engine.stats().prefix_cache_hit_tokens - hits == 2 * 40
     singles = [tiny_llm.generate(prompt, SamplingParams(temperature=1.0, seed=40 + j, max_tokens=10))[0]
                .outputs[0].token_ids for j in range(3)]
     assert [c.token_ids for c in many.outputs] == singles

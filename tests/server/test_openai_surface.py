@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 
 import httpx
 import jsonschema
@@ -329,3 +330,22 @@ def test_generation_config_path_sets_defaults_and_eos(tmp_path, default_model_di
         assert first.choices[0].finish_reason == "stop" and first.choices[0].message.content.endswith(".")
         assert first.choices[0].message.content.count(".") == 1  # the period is an EOS of this config
         assert first.usage.completion_tokens <= 40
+
+
+def test_n_samples_share_their_prompts_kv(client, base) -> None:
+    """One sample computes the prompt's blocks; the others hit them in the prefix cache, also when all are
+    admitted in the same step (the hit counter grows by (n - 1) x the prompt's full blocks)."""
+    words = " ".join(f"w{i}x{(i * 7919) % 1000}" for i in range(120))  # fresh: no earlier request shares it
+    prompt = f"Summarise these words: {words}"
+
+    def hit_tokens() -> int:
+        return httpx.get(f"{base}/stats", timeout=10).json()["prefix_cache_hit_tokens"]
+
+    before = hit_tokens()
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=2, n=4)
+    assert len(out.choices) == 4
+    full_blocks = (out.usage.prompt_tokens - 1) // 16 * 16
+    deadline = time.monotonic() + 15  # the counters come with the workers' load reports
+    while hit_tokens() - before < 3 * full_blocks and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert hit_tokens() - before >= 3 * full_blocks
