@@ -8,6 +8,7 @@ points (`kvbaton.platform.process`): a core is one object, not the process.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,18 @@ class KVTransferConfig:
     receive: bool = False
 
 
+def _grammar_compiler(model_dir: Path, info: EngineInfo, runner: ModelRunner) -> GrammarCompiler:
+    """The grammar compiler for this model's tokenizer, and the runner's matchers over it (built with the
+    first structured request, or at a served worker's start)."""
+    from kvbaton.engine.tokenizer import Tokenizer
+
+    compiler = GrammarCompiler.for_tokenizer(lambda: Tokenizer(model_dir).backend.to_str(), info.vocab_size,
+                                             info.eos_token_ids)
+    runner.grammars = GrammarMatchers(compiler, info.vocab_size, info.eos_token_ids,
+                                      num_threads=max(1, torch.get_num_threads()))
+    return compiler
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
@@ -96,7 +109,9 @@ class EngineCore:
         self.handoff, self.runner = self._build_runner(model, num_blocks, kv_transfer)
         self._consecutive_step_failures = 0
         self.model_dir = model_dir
-        self.grammars = GrammarAdmission(self._grammar_compiler)  # requests wait there for their grammar
+        # NOTE: the factory must not hold `self`: a cycle through the core would outlive it (the process entry
+        # points freeze the GC's generations, so a cycle is never collected).
+        self.grammars = GrammarAdmission(functools.partial(_grammar_compiler, model_dir, self.info, self.runner))
         if config.compile:
             from kvbaton.engine.compile import compile_model
 
@@ -149,17 +164,6 @@ class EngineCore:
             if self.grammars.hold(req, spec):
                 return  # it joins the scheduler once its grammar is compiled
         self.scheduler.add_request(req)
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """The compiler, and the runner's matchers over it (built with the first structured request)."""
-        from kvbaton.engine.tokenizer import Tokenizer
-
-        model_dir, info = self.model_dir, self.info
-        compiler = GrammarCompiler.for_tokenizer(lambda: Tokenizer(model_dir).backend.to_str(), info.vocab_size,
-                                                 info.eos_token_ids)
-        self.runner.grammars = GrammarMatchers(compiler, info.vocab_size, info.eos_token_ids,
-                                               num_threads=max(1, torch.get_num_threads()))
-        return compiler
 
     def abort_requests(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """End requests from outside a step (client gone, stop string seen); frees their blocks at
