@@ -20,7 +20,7 @@ import httpx
 from kvbaton.bench.datasets import BenchRequest
 from kvbaton.bench.errors import BenchError
 from kvbaton.bench.records import REJECT_HTTP_STATUSES, RequestRecord
-from kvbaton.bench.sse import SSEDecoder, StreamEvent, parse_event
+from kvbaton.bench.sse import SSEDecoder, StreamEvent, asse_lines, parse_event
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
@@ -170,7 +170,7 @@ async def _stream_once(client: httpx.AsyncClient, target: Target, req: BenchRequ
 
 async def _read_stream(resp: httpx.Response, timer: _StreamTimer) -> None:
     decoder = SSEDecoder()
-    async for line in resp.aiter_lines():
+    async for line in asse_lines(resp.aiter_text()):
         data = decoder.feed(line)
         # NOTE: after [DONE] (or an error) read on to the end of the body rather than return:
         # a connection with unread bytes cannot go back to the keep-alive pool.

@@ -11,6 +11,7 @@ Each event ends at a blank line; only the `data` field matters here.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from typing import NamedTuple
 
 
@@ -22,6 +23,39 @@ class StreamEvent(NamedTuple):
     done: bool = False
     error: str | None = None
     finish_reason: str | None = None
+
+
+class LineSplitter:
+    """A text stream's lines, split as SSE splits them: at LF (a CR before it dropped), never at the other
+    characters Python's `splitlines` and httpx's `iter_lines` also break at (U+2028, U+0085, ...), which a
+    server may send raw inside a JSON string (vLLM does), cutting one event in two."""
+
+    def __init__(self) -> None:
+        self._rest = ""
+
+    def feed(self, chunk: str) -> list[str]:
+        *lines, self._rest = (self._rest + chunk).split("\n")
+        return [line.removesuffix("\r") for line in lines]
+
+    def finish(self) -> list[str]:
+        return [self._rest.removesuffix("\r")] if self._rest else []
+
+
+def sse_lines(chunks: Iterable[str]) -> Iterator[str]:
+    splitter = LineSplitter()
+    for chunk in chunks:
+        yield from splitter.feed(chunk)
+    yield from splitter.finish()
+
+
+async def asse_lines(chunks: AsyncIterable[str]) -> AsyncIterator[str]:
+    """`sse_lines` over an async text stream (httpx's `aiter_text`)."""
+    splitter = LineSplitter()
+    async for chunk in chunks:
+        for line in splitter.feed(chunk):
+            yield line
+    for line in splitter.finish():
+        yield line
 
 
 class SSEDecoder:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from kvbaton.bench.sse import SSEDecoder, parse_event
+from kvbaton.bench.sse import SSEDecoder, parse_event, sse_lines
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -60,7 +60,7 @@ class Endpoint:
                 if resp.status_code != 200:
                     resp.read()
                     raise ClientError(_refusal(url, resp))
-                yield from _texts(resp.iter_lines(), url)
+                yield from _texts(sse_lines(resp.iter_text()), url)
         except httpx.HTTPError as exc:
             raise ClientError(_failure(url, exc)) from exc
 

@@ -44,3 +44,12 @@ def test_parse_errors_never_raise():
     assert parse_event('{"error": "plain"}').error == "plain"
     assert "malformed" in parse_event("{not json").error
     assert "malformed" in parse_event("[1, 2]").error
+
+
+def test_lines_split_only_at_line_feeds() -> None:
+    # vLLM sends U+2028 / U+0085 raw inside JSON strings: httpx's iter_lines (like str.splitlines) cut there
+    from kvbaton.bench.sse import sse_lines
+
+    event = 'data: {"choices":[{"delta":{"content":"a\u2028b\u0085c"}}]}'
+    chunks = [event[:20], event[20:] + "\r\n", "\r", "\ndata: [DONE]\n\n"]
+    assert list(sse_lines(chunks)) == [event, "", "data: [DONE]", ""]

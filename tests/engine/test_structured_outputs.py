@@ -160,3 +160,14 @@ def test_a_compiling_grammar_holds_only_its_own_request(llm) -> None:
         gate.set()
         core.grammars.close()
         core.grammars, core.runner.grammars = saved
+
+
+def test_properties_come_in_the_schemas_order(llm) -> None:
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string", "maxLength": 40},
+                                               "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    question = llm.chat([[{"role": "user", "content": "What is 1 + 1? Reply as JSON."}]],
+                        SamplingParams(max_tokens=1))[0].prompt_token_ids
+    out = llm.generate({"prompt_token_ids": question}, SamplingParams(
+        temperature=0.0, max_tokens=60, structured_output=StructuredOutput.json_schema(schema)))[0].outputs[0]
+    assert list(json.loads(out.text)) == ["reasoning", "answer"], out.text

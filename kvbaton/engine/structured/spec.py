@@ -32,8 +32,9 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> StructuredOutput:
-        # NOTE: sorted keys: the same schema sent with its keys in another order is the same cache entry.
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # NOTE: the schema's own key order: the output's properties come in the order they are declared, as
+        # OpenAI and vLLM generate them (a "reasoning" field declared before "answer" is written first).
+        return cls("json", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def choice(cls, options: list[str]) -> StructuredOutput:
