@@ -142,6 +142,39 @@ class CacheConfig:
             raise ConfigError("kv_cache_memory_gb must be positive")
 
 
+WRITE_POLICIES = ("write-through", "write-back")
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVStoreConfig:
+    """The KV tiers shared beyond one worker's pool (`kvbaton.kv.store`); each is off until given.
+
+    shm: node-local shared memory, one named arena every worker on the host maps (L2).
+    disk: a directory of checksummed block files, bounded, kept across restarts (L3).
+    redis: a cluster-wide Redis, blocks under a TTL (L4).
+    """
+
+    shm_name: str | None = None  # the arena's name in /dev/shm; workers naming the same arena share it
+    shm_gb: float = 1.0
+    disk_dir: str | None = None
+    disk_gb: float = 4.0
+    redis_url: str | None = None
+    redis_max_gb: float = 4.0  # what this engine's keys may take (Redis's maxmemory bounds the server)
+    ttl_s: float = 3600.0  # no block outlives this in any tier
+    write_policy: str = "write-through"  # full blocks as they are computed, or cached blocks when evicted
+
+    def __post_init__(self) -> None:
+        if self.write_policy not in WRITE_POLICIES:
+            raise ConfigError(f"KV store write policy must be one of {', '.join(WRITE_POLICIES)}, "
+                              f"not {self.write_policy!r}")
+        if min(self.shm_gb, self.disk_gb, self.redis_max_gb, self.ttl_s) <= 0:
+            raise ConfigError("KV store sizes and TTL must be positive")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.shm_name or self.disk_dir or self.redis_url)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits of continuous batching."""
@@ -171,6 +204,7 @@ class EngineConfig:
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
@@ -180,5 +214,7 @@ class EngineConfig:
         if self.deterministic and self.compile:
             raise ConfigError("--deterministic runs kvbaton's batch-invariant kernels; torch.compile would replace "
                               "them: leave --compile off")
+        if self.kv_store.enabled and not self.cache.enable_prefix_caching:
+            raise ConfigError("the KV store names blocks by the prefix cache's hashes: leave prefix caching on")
         if not self.kernels and self.compute_path not in ("auto", "torch"):
             raise ConfigError(f"compute path {self.compute_path!r} needs the C kernels, which kernels=False turns off")

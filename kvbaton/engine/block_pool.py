@@ -8,6 +8,7 @@ is hit while free is taken out of the free order without losing its content.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbaton.kv.hashing import BlockHash
@@ -21,8 +22,11 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[BlockHash, int], None] | None = None) -> None:
         self.num_blocks = num_blocks
+        # KV store, write-back: told (hash, block id) before an evicted block is handed out, its content intact
+        self.on_evict = on_evict
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free_uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -53,6 +57,8 @@ class BlockPool:
                 block = self.blocks[self._free_uncached.popitem(last=False)[0]]
             else:
                 block = self.blocks[self._free_cached.popitem(last=False)[0]]
+                if self.on_evict is not None and block.block_hash is not None:
+                    self.on_evict(block.block_hash, block.block_id)
                 self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
@@ -76,14 +82,14 @@ class BlockPool:
                 queue = self._free_cached if block.block_hash is not None else self._free_uncached
                 queue[block.block_id] = None
 
-    def cache(self, block: KVBlock, block_hash: BlockHash) -> None:
-        """Record a full block's content hash so later requests can reuse it."""
-        if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self._cached:
-            return  # same content already cached in another block; keep that one
+    def cache(self, block: KVBlock, block_hash: BlockHash) -> bool:
+        """Record a full block's content hash so later requests can reuse it; False if it was not (caching
+        off, the block named already, or the same content cached in another block, which is kept)."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block.block_id
+        return True
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request uses; returns how many were dropped."""

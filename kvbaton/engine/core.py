@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from kvbaton.kernels import cpu_kernels
 from kvbaton.kernels.linear import amx_enabled
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.layout import KVLayout
-from kvbaton.kv.pools import allocate_pools
+from kvbaton.kv.pools import KVPools, allocate_pools
+from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan
 from kvbaton.models.llama import LlamaForCausalLM
 from kvbaton.models.loader import load_model
@@ -49,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # A batch that raises fails its requests; this many in a row and the engine, not a request, is at fault.
 MAX_CONSECUTIVE_STEP_FAILURES = 3
+# A step of this many tokens is mostly prefill: its time per token prices recomputing against loading KV.
+PREFILL_SAMPLE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -104,9 +108,14 @@ class EngineCore:
                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
                                eos_token_ids=eos_token_ids, compute_path=self.compute_plan.summary())
-        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len)
-        self.handoff, self.runner = self._build_runner(model, num_blocks, kv_transfer)
+        pools = self._allocate_pools(num_blocks, kv_transfer)
+        self.store = build_store(config.kv_store, model_dir, pools)
+        write_back = self.store is not None and config.kv_store.write_policy == "write-back"
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
+                                       track_new_blocks=self.store is not None and not write_back,
+                                       on_evict=self.store.save_evicted if write_back and self.store else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len, self.store)
+        self.handoff, self.runner = self._build_runner(model, pools, kv_transfer)
         self._consecutive_step_failures = 0
         self.model_dir = model_dir
         # NOTE: the factory must not hold `self`: a cycle through the core would outlive it (the process entry
@@ -126,12 +135,14 @@ class EngineCore:
         logger.info("compute path %s; CPU %s", plan.summary(), cpu.summary())
         return plan
 
-    def _build_runner(self, model: LlamaForCausalLM, num_blocks: int,
-                      transfer: KVTransferConfig | None) -> tuple[KVHandoff, ModelRunner]:
-        """The pools first (a sending transport may want them in shared memory), then the connector
-        halves over them, then the runner that computes into them and sends from them."""
+    def _allocate_pools(self, num_blocks: int, transfer: KVTransferConfig | None) -> KVPools:
+        """A sending transport may want the pools in shared memory."""
         allocate = allocate_pools if transfer is None else pool_allocator(transfer.connector, sending=transfer.send)
-        pools = allocate(self.kv_layout, num_blocks)
+        return allocate(self.kv_layout, num_blocks)
+
+    def _build_runner(self, model: LlamaForCausalLM, pools: KVPools,
+                      transfer: KVTransferConfig | None) -> tuple[KVHandoff, ModelRunner]:
+        """The connector halves over the pools, then the runner that computes into them and sends from them."""
         sender = make_sender(transfer.connector, pools) if transfer is not None and transfer.send else None
         receiver = make_receiver(transfer.connector, pools) if transfer is not None and transfer.receive else None
         runner = ModelRunner(model, pools, self.config.seed, self.info.eos_token_ids,
@@ -186,15 +197,26 @@ class EngineCore:
             self.scheduler.add_request(req)
         sched = self.scheduler.schedule()
         try:
+            start = time.perf_counter()
             model_output = self.runner.execute(sched)
             outputs = self.scheduler.update_from_output(sched, model_output)
         except Exception as exc:
+            self.kv_cache.drain_new_blocks()  # not computed: nothing to store
             self._consecutive_step_failures += 1
             if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))
         self._consecutive_step_failures = 0
+        if self.store is not None:
+            self._store_step(sched, time.perf_counter() - start)
         return StepResult(outputs, model_output.failed_transfers, refused)
+
+    def _store_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Write this step's new full blocks through to the tiers; a prefill-heavy step prices recomputation."""
+        assert self.store is not None
+        self.store.save(self.kv_cache.drain_new_blocks())
+        if sched.num_scheduled_tokens >= PREFILL_SAMPLE_TOKENS:
+            self.store.note_prefill(sched.num_scheduled_tokens, seconds)
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[RequestFailure]:
         ids = [s.request_id for s in sched.scheduled]
@@ -261,9 +283,14 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        if self.store is not None:
+            self.store.flush()
+            self.store.check_integrity()
 
     def close(self) -> None:
         """Stop the connector's threads and give back a shared pool's name."""
         self.handoff.close()
+        if self.store is not None:
+            self.store.close()
         self.runner.pools.close()
         self.grammars.close()

@@ -7,11 +7,12 @@ the longest run of cached blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbaton.engine.block_pool import BlockPool, KVBlock
 from kvbaton.engine.request import Request
-from kvbaton.kv.hashing import hash_block_tokens, salted_root
+from kvbaton.kv.hashing import BlockHash, hash_block_tokens, salted_root
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,10 +30,13 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, track_new_blocks: bool = False,
+                 on_evict: Callable[[BlockHash, int], None] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict)
+        # KV store, write-through: blocks indexed since the last drain (full once the step has run)
+        self._new_blocks: list[tuple[BlockHash, int]] | None = [] if track_new_blocks else None
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed_blocks: dict[str, int] = {}  # blocks of a request already in the cache index
         self._queried_tokens = 0
@@ -98,6 +102,13 @@ class KVCacheManager:
         self._num_hashed_blocks.pop(req.request_id, None)
         self.pool.release(list(reversed(blocks)))
 
+    def drain_new_blocks(self) -> list[tuple[BlockHash, int]]:
+        """(hash, block id) of the blocks indexed since the last call: after a step, their KV is computed."""
+        if not self._new_blocks:
+            return []
+        out, self._new_blocks = self._new_blocks, []
+        return out
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
@@ -140,5 +151,6 @@ class KVCacheManager:
             return
         self._extend_hashes(req, num_full)
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], req.block_hashes[i])
+            if self.pool.cache(blocks[i], req.block_hashes[i]) and self._new_blocks is not None:
+                self._new_blocks.append((req.block_hashes[i], blocks[i].block_id))
         self._num_hashed_blocks[req.request_id] = num_full

@@ -18,6 +18,7 @@ from kvbaton.config import SchedulerConfig
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.outputs import EngineCoreOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvbaton.engine.request import Request, RequestStatus
+from kvbaton.kv.store.base import PrefixStore
 
 
 def _order(req: Request) -> tuple[int, float]:
@@ -25,10 +26,13 @@ def _order(req: Request) -> tuple[int, float]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
+                 store: PrefixStore | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.store = store  # KV tiers beyond the pool: asked at admission for blocks past the local hit
+        self.num_store_hit_tokens = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []  # sorted by (priority, arrival)
@@ -77,6 +81,7 @@ class Scheduler:
         hits, num_hit = self.kv_cache.get_computed_blocks(req)
         if not self.kv_cache.allocate_slots(req, req.num_tokens - num_hit, hits, index_blocks=False):
             return None
+        num_hit += self._load_from_store(req, len(hits), self._plan_store(req, len(hits)))
         self.kv_cache.record_lookup(req.num_tokens, num_hit)
         req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_KV
@@ -184,13 +189,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv_cache.get_computed_blocks(req)
-            num_new = req.num_tokens - num_hit
+            num_stored = self._plan_store(req, len(hits)) * self.kv_cache.block_size
+            num_new = req.num_tokens - num_hit - num_stored
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             num_new = self._chunk(num_new, budget)
-            if not self.kv_cache.allocate_slots(req, num_new, hits):
+            if not self.kv_cache.allocate_slots(req, num_stored + num_new, hits, index_blocks=not num_stored):
                 break
             self.waiting.pop(0)
+            if num_stored:
+                num_hit, num_new = self._admit_from_store(req, len(hits), num_stored, num_new, budget)
             self.kv_cache.record_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -201,6 +209,35 @@ class Scheduler:
             chosen[req.request_id] = num_new
             budget -= num_new
         return budget
+
+    # ---- the KV store: blocks past the local prefix hit ------------------------------------------
+
+    def _plan_store(self, req: Request, num_local_blocks: int) -> int:
+        """Blocks after the local hit worth loading from the store (hashes were extended by the lookup)."""
+        if self.store is None or req.sampling_params.prompt_logprobs is not None:
+            return 0
+        max_blocks = (req.num_tokens - 1) // self.kv_cache.block_size  # as the local lookup: one token computed
+        return self.store.plan(req.block_hashes[num_local_blocks:max_blocks])
+
+    def _load_from_store(self, req: Request, num_local_blocks: int, num_blocks: int) -> int:
+        """Load `num_blocks` blocks into the request's blocks after its local hit; tokens loaded."""
+        if not num_blocks or self.store is None:
+            return 0
+        block_ids = self.kv_cache.block_ids(req.request_id)[num_local_blocks:num_local_blocks + num_blocks]
+        loaded = self.store.load(req.block_hashes[num_local_blocks:num_local_blocks + num_blocks], block_ids)
+        self.num_store_hit_tokens += loaded * self.kv_cache.block_size
+        return loaded * self.kv_cache.block_size
+
+    def _admit_from_store(self, req: Request, num_local_blocks: int, num_stored: int, num_new: int,
+                          budget: int) -> tuple[int, int]:
+        """Load the planned blocks; what did not load is computed instead, in this step's chunk. Returns
+        (tokens now cached, tokens to compute). The chunk never ends later than the one allocated for."""
+        bs = self.kv_cache.block_size
+        num_cached = num_local_blocks * bs + self._load_from_store(req, num_local_blocks, num_stored // bs)
+        if num_cached < num_local_blocks * bs + num_stored:  # a tier failed: recompute from there
+            num_new = self._chunk(req.num_tokens - num_cached, budget)
+        self.kv_cache.index_computed_blocks(req, num_cached + num_new)
+        return num_cached, num_new
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # pid -> handle, so stop() can reap what start() spawned
 _PR_SET_PDEATHSIG = 1
+_MAXMEMORY_POLICIES = ("noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru", "volatile-lfu",
+                       "volatile-random", "volatile-ttl")
 
 
 class RedisServerError(RuntimeError):
@@ -56,8 +58,11 @@ def redis_server_binary() -> str | None:
 
 
 def start_redis_server(host: str = "127.0.0.1", maxmemory_mb: int | None = None, startup_timeout_s: float = 10.0,
-                       die_with_parent: bool = True) -> RedisServer:
+                       die_with_parent: bool = True, maxmemory_policy: str = "noeviction") -> RedisServer:
     """Start redis-server on a free port and wait until it answers an authenticated PING.
+
+    `maxmemory_policy` applies with `maxmemory_mb`: the default refuses writes when full (a KV
+    transfer must not lose a layer); a KV store's cache can run "allkeys-lru" instead.
 
     `die_with_parent`: the server gets SIGTERM when the thread that started it exits (Linux
     PR_SET_PDEATHSIG), so a crashed `kvbaton serve` leaves no orphan — start it from the main
@@ -67,10 +72,13 @@ def start_redis_server(host: str = "127.0.0.1", maxmemory_mb: int | None = None,
     if binary is None:
         raise RedisServerError("redis-server is not installed (scripts/setup.sh installs it: apt-get install "
                                "redis-server), or pass --redis-url of a running server")
+    if maxmemory_policy not in _MAXMEMORY_POLICIES:
+        raise ValueError(f"maxmemory_policy {maxmemory_policy!r} is not one of {', '.join(_MAXMEMORY_POLICIES)}")
     errors = []
     for _ in range(3):  # NOTE: the free port can be taken between probe and bind; then try another
         try:
-            return _start_once(binary, host, _free_port(host), maxmemory_mb, startup_timeout_s, die_with_parent)
+            return _start_once(binary, host, _free_port(host), maxmemory_mb, startup_timeout_s, die_with_parent,
+                               maxmemory_policy)
         except RedisServerError as exc:
             errors.append(str(exc))
     raise RedisServerError("redis-server did not start: " + " | ".join(errors))
@@ -101,14 +109,14 @@ def stop_redis_server(pid: int, timeout_s: float = 5.0) -> None:
 
 
 def _start_once(binary: str, host: str, port: int, maxmemory_mb: int | None, startup_timeout_s: float,
-                die_with_parent: bool) -> RedisServer:
+                die_with_parent: bool, maxmemory_policy: str = "noeviction") -> RedisServer:
     password = secrets.token_hex(24)
     workdir = tempfile.mkdtemp(prefix="kvbaton-redis-")
     log = Path(workdir, "redis.log")
     lines = [f"bind {host}", f"port {port}", "protected-mode yes", "save ''", "appendonly no", f"dir {workdir}",
              f"logfile {log}", "daemonize no", f"requirepass {password}"]
     if maxmemory_mb:
-        lines += [f"maxmemory {maxmemory_mb}mb", "maxmemory-policy noeviction"]  # refuse writes, never drop KV
+        lines += [f"maxmemory {maxmemory_mb}mb", f"maxmemory-policy {maxmemory_policy}"]  # default: never drop KV
     proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None)
     assert proc.stdin is not None  # stdin=PIPE

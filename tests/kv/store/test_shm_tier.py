@@ -1,0 +1,189 @@
+"""The node-local shm tier: a real arena in /dev/shm, shared with real processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvbaton.kv.store.keys import KEY_BYTES
+from kvbaton.kv.store.shm_tier import READY, WAYS, WRITING, ShmTier
+
+PAYLOAD = 4096
+
+
+def key(i: int) -> bytes:
+    return hashlib.blake2b(str(i).encode(), digest_size=KEY_BYTES).digest()
+
+
+def payload(i: int) -> bytes:
+    return (i % 251).to_bytes(1, "little") * PAYLOAD
+
+
+def put(tier: ShmTier, i: int) -> bool:
+    return tier.put(key(i), lambda dst: dst.__setitem__(slice(None), payload(i)))
+
+
+def get(tier: ShmTier, i: int) -> bytes | None:
+    out: list[bytes] = []
+    return out[0] if tier.get(key(i), lambda src: out.append(bytes(src))) else None
+
+
+def keys_of_set(tier: ShmTier, set_index: int, count: int) -> list[int]:
+    """`count` key numbers that all map to `set_index`."""
+    found = [i for i in range(100_000) if tier._set_of(key(i)) == set_index]
+    return found[:count]
+
+
+@pytest.fixture
+def arena_name(request) -> str:
+    name = f"test-{os.getpid()}-{request.node.name[:40]}".replace("[", "_").replace("]", "_")
+    yield name
+    ShmTier.destroy(name, PAYLOAD)
+
+
+def test_roundtrip_and_leading_contains(arena_name):
+    tier = ShmTier(arena_name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+    assert put(tier, 1) and put(tier, 2)
+    assert get(tier, 1) == payload(1) and get(tier, 2) == payload(2) and get(tier, 3) is None
+    assert tier.contains([key(1), key(2), key(3), key(1)]) == 2
+    s = tier.stats()
+    assert (s.hits, s.misses, s.blocks, s.used_bytes) == (2, 1, 2, 2 * PAYLOAD)
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_key_ending_in_nul_is_found(arena_name):
+    """numpy's "S" dtype would strip the NUL: the header stores raw bytes."""
+    tier = ShmTier(arena_name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+    k = bytes(KEY_BYTES - 1) + b"\x01"
+    k0 = b"\x07" * (KEY_BYTES - 1) + b"\x00"
+    for kk in (k, k0):
+        tier.put(kk, lambda dst: dst.__setitem__(slice(None), b"z" * PAYLOAD))
+    assert tier.contains([k0, k]) == 2
+    tier.close()
+
+
+def test_lru_within_a_set_and_capacity(arena_name):
+    tier = ShmTier(arena_name, PAYLOAD, 2 * WAYS * PAYLOAD, ttl_s=60)
+    assert tier.num_sets == 2
+    ids = keys_of_set(tier, 0, WAYS + 2)
+    for i in ids[:WAYS]:
+        assert put(tier, i)
+        time.sleep(0.002)  # distinct access times
+    assert get(tier, ids[0]) == payload(ids[0])  # now the most recently used: ids[1] is the victim
+    assert put(tier, ids[WAYS])
+    assert get(tier, ids[1]) is None and get(tier, ids[0]) is not None
+    assert put(tier, ids[WAYS + 1])
+    assert get(tier, ids[2]) is None
+    s = tier.stats()
+    assert s.evictions == 2 and s.blocks == WAYS and s.used_bytes <= s.capacity_bytes
+    tier.check_integrity()
+    tier.close()
+
+
+def test_ttl_expiry(arena_name):
+    tier = ShmTier(arena_name, PAYLOAD, 16 * PAYLOAD, ttl_s=0.2)
+    put(tier, 5)
+    assert tier.contains([key(5)]) == 1
+    deadline = time.monotonic() + 5
+    while tier.contains([key(5)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tier.contains([key(5)]) == 0 and get(tier, 5) is None
+    put(tier, 6)  # reuses the expired slot of its set, or another: expiry is counted when reclaimed
+    assert tier.stats().blocks == 1
+    tier.close()
+
+
+def test_a_failed_fill_leaves_no_readable_slot(arena_name):
+    tier = ShmTier(arena_name, PAYLOAD, 16 * PAYLOAD, ttl_s=60)
+
+    def broken(dst: memoryview) -> None:
+        dst[:10] = b"x" * 10
+        raise RuntimeError("copy failed")
+
+    with pytest.raises(RuntimeError):
+        tier.put(key(9), broken)
+    assert tier.contains([key(9)]) == 0
+    tier.check_integrity()
+    tier.close()
+
+
+def test_a_writer_that_died_mid_copy_frees_its_slot_later(arena_name):
+    tier = ShmTier(arena_name, PAYLOAD, WAYS * PAYLOAD, ttl_s=60)
+    ids = keys_of_set(tier, 0, WAYS + 1)
+    for i in ids[:WAYS]:
+        put(tier, i)
+    headers = tier._headers[0]
+    headers["state"][:] = WRITING  # as if every writer of the set had died mid-copy, just now
+    assert put(tier, ids[WAYS])  # skipped: nothing to claim yet (still True: not an error)
+    assert tier.contains([key(ids[WAYS])]) == 0
+    headers["last_access"][:] = time.time() - 60  # ... long ago
+    assert put(tier, ids[WAYS]) and get(tier, ids[WAYS]) == payload(ids[WAYS])
+    assert (headers["state"] == READY).sum() == 1
+    tier.close()
+
+
+def test_other_processes_share_the_arena(arena_name):
+    """A block written by one process is read by another; the arena outlives its creator."""
+    tier = ShmTier(arena_name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+    put(tier, 1)
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_shm_tier import ShmTier, get, put, payload, PAYLOAD
+        t = ShmTier({arena_name!r}, PAYLOAD, 1, ttl_s=60)  # attaches: the capacity given is ignored
+        assert get(t, 1) == payload(1), "the parent's block"
+        assert put(t, 2)
+        t.close()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert get(tier, 2) == payload(2)
+    assert tier.num_sets * WAYS == 64 // WAYS * WAYS
+    tier.close()
+
+
+def test_a_process_killed_while_reading_holds_no_lock(arena_name):
+    """POSIX record locks die with their process: a reader SIGKILLed inside its copy blocks nobody."""
+    tier = ShmTier(arena_name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+    put(tier, 3)
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_shm_tier import ShmTier, key, PAYLOAD
+        t = ShmTier({arena_name!r}, PAYLOAD, 1, ttl_s=60)
+        t.get(key(3), lambda src: (print("reading", flush=True), time.sleep(60)))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+        proc.kill()
+        proc.wait(timeout=10)
+        start = time.monotonic()
+        assert put(tier, 3)  # needs the set's lock exclusively
+        assert time.monotonic() - start < 1.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    tier.close()
+
+
+def test_a_foreign_file_is_refused(arena_name):
+    from kvbaton.kv.store.shm_tier import arena_path
+
+    with open(arena_path(arena_name, PAYLOAD), "wb") as f:
+        f.write(b"not an arena" * 1000)
+    with pytest.raises(ValueError, match="not a KV store arena"):
+        ShmTier(arena_name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+
+
+@pytest.mark.parametrize("name", ["../etc", "", "a/b", ".hidden", "x" * 201])
+def test_unsafe_arena_names_are_refused(name):
+    with pytest.raises(ValueError, match="shm name"):
+        ShmTier(name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
