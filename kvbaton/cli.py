@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from kvbaton.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from kvbaton.config import WRITE_POLICIES, CacheConfig, ConfigError, EngineConfig, KVStoreConfig, SchedulerConfig
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.models.registry import DEFAULT_MODEL
@@ -44,6 +44,35 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: greedy output independent of batching, chunking, threads and "
                         "PD placement (slower prefill)")
+    _add_kv_store_args(p)
+
+
+def _add_kv_store_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV store (tiers beyond each worker's pool, shared across workers and restarts)")
+    g.add_argument("--kv-store", default="", metavar="TIERS",
+                   help="comma-separated tiers among shm (node shared memory), disk (block files), redis "
+                        "(cluster); default: none")
+    g.add_argument("--kv-store-shm-name", default=None,
+                   help="the shm arena's name: workers (and servers) naming the same one share it (serve: one per "
+                        "server, removed when it stops)")
+    g.add_argument("--kv-store-shm-gb", type=float, default=1.0)
+    g.add_argument("--kv-store-disk-dir", default=None, help="default: ~/.cache/kvbaton/kv-store (a subdirectory "
+                                                             "per served worker)")
+    g.add_argument("--kv-store-disk-gb", type=float, default=4.0)
+    g.add_argument("--kv-store-redis-url", default=os.environ.get("KVBATON_KV_STORE_REDIS_URL"),
+                   help="default: $KVBATON_KV_STORE_REDIS_URL; serve without one starts a private, LRU redis-server")
+    g.add_argument("--kv-store-redis-gb", type=float, default=4.0, help="the private redis-server's maxmemory")
+    g.add_argument("--kv-store-ttl", type=float, default=3600.0, help="seconds a block may live in any tier")
+    g.add_argument("--kv-store-write-policy", default="write-through", choices=list(WRITE_POLICIES),
+                   help="write-through: full blocks as computed; write-back: cached blocks when evicted")
+
+
+def kv_store_config_from_args(args: argparse.Namespace) -> KVStoreConfig:
+    return KVStoreConfig(tiers=tuple(t.strip() for t in args.kv_store.split(",") if t.strip()),
+                         shm_name=args.kv_store_shm_name, shm_gb=args.kv_store_shm_gb,
+                         disk_dir=args.kv_store_disk_dir, disk_gb=args.kv_store_disk_gb,
+                         redis_url=args.kv_store_redis_url, redis_gb=args.kv_store_redis_gb, ttl_s=args.kv_store_ttl,
+                         write_policy=args.kv_store_write_policy)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -54,6 +83,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        kv_store=kv_store_config_from_args(args),
     )
 
 

@@ -143,36 +143,46 @@ class CacheConfig:
 
 
 WRITE_POLICIES = ("write-through", "write-back")
+STORE_TIERS = ("shm", "disk", "redis")  # fastest first: the order a lookup asks them in
 
 
 @dataclass(frozen=True, kw_only=True)
 class KVStoreConfig:
-    """The KV tiers shared beyond one worker's pool (`kvbaton.kv.store`); each is off until given.
+    """The KV tiers shared beyond one worker's pool (`kvbaton.kv.store`), none unless `tiers` names them.
 
     shm: node-local shared memory, one named arena every worker on the host maps (L2).
-    disk: a directory of checksummed block files, bounded, kept across restarts (L3).
-    redis: a cluster-wide Redis, blocks under a TTL (L4).
+    disk: a directory of checksummed block files, bounded, kept across restarts (L3); one per worker.
+    redis: a cluster-wide Redis, every block under the TTL (L4).
     """
 
-    shm_name: str | None = None  # the arena's name in /dev/shm; workers naming the same arena share it
+    tiers: tuple[str, ...] = ()
+    shm_name: str | None = None  # the arena in /dev/shm; workers naming the same arena share it (serve: one per server)
     shm_gb: float = 1.0
-    disk_dir: str | None = None
+    disk_dir: str | None = None  # None: <cache>/kv-store; a served worker uses <disk_dir>/<worker name>
     disk_gb: float = 4.0
-    redis_url: str | None = None
-    redis_max_gb: float = 4.0  # what this engine's keys may take (Redis's maxmemory bounds the server)
+    redis_url: str | None = None  # serve: None starts a private redis-server of `redis_gb`, LRU
+    redis_gb: float = 4.0
     ttl_s: float = 3600.0  # no block outlives this in any tier
     write_policy: str = "write-through"  # full blocks as they are computed, or cached blocks when evicted
 
     def __post_init__(self) -> None:
+        unknown = [t for t in self.tiers if t not in STORE_TIERS]
+        if unknown or len(set(self.tiers)) != len(self.tiers):
+            raise ConfigError(f"KV store tiers must be distinct names among {', '.join(STORE_TIERS)}, "
+                              f"not {', '.join(self.tiers)}")
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"KV store write policy must be one of {', '.join(WRITE_POLICIES)}, "
                               f"not {self.write_policy!r}")
-        if min(self.shm_gb, self.disk_gb, self.redis_max_gb, self.ttl_s) <= 0:
+        if min(self.shm_gb, self.disk_gb, self.redis_gb, self.ttl_s) <= 0:
             raise ConfigError("KV store sizes and TTL must be positive")
 
     @property
     def enabled(self) -> bool:
-        return bool(self.shm_name or self.disk_dir or self.redis_url)
+        return bool(self.tiers)
+
+    @property
+    def ordered_tiers(self) -> tuple[str, ...]:
+        return tuple(t for t in STORE_TIERS if t in self.tiers)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,12 @@ worker of role `both`, replicas are several `both` workers, PD is prefill + deco
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
 import logging
+import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +86,25 @@ def run_cleanups(cleanups: list[Callable[[], None]]) -> None:
             logger.exception("cleanup %s failed", getattr(cleanup, "__qualname__", cleanup))
 
 
+def resolve_kv_store(engine: EngineConfig, cleanups: list[Callable[[], None]]) -> EngineConfig:
+    """Give the KV store what its workers share and `serve` provides: an shm arena named for this server
+    (removed when it stops) and a private, LRU redis-server when no URL was given."""
+    store = engine.kv_store
+    if "shm" in store.tiers and store.shm_name is None:
+        from kvbaton.kv.store.shm_tier import remove_arenas
+
+        name = f"serve-{os.getpid()}-{secrets.token_hex(3)}"
+        store = dataclasses.replace(store, shm_name=name)
+        cleanups.append(functools.partial(remove_arenas, name))
+    if "redis" in store.tiers and store.redis_url is None:
+        from kvbaton.kv.redis_server import start_redis_server
+
+        server = start_redis_server(maxmemory_mb=max(1, int(store.redis_gb * 1024)), maxmemory_policy="allkeys-lru")
+        cleanups.append(server.stop)
+        store = dataclasses.replace(store, redis_url=server.url)
+    return engine if store is engine.kv_store else dataclasses.replace(engine, kv_store=store)
+
+
 def make_launcher(spec: DeploymentSpec, secret: bytes) -> Launcher:
     if spec.backend == Backend.RAY:
         from kvbaton.cluster.ray import RayLauncher
@@ -107,6 +130,7 @@ async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpe
             server = start_redis_server()
             cleanups.append(server.stop)
             redis_url = server.url
+        engine = resolve_kv_store(engine, cleanups)
         launcher = make_launcher(spec, secret)
         cleanups.append(launcher.close)
         host = launcher.start()  # workers on other nodes must reach the router there

@@ -20,17 +20,19 @@ A heartbeat goes out from a thread of its own (`heartbeat.py`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
-from kvbaton.config import ModelConfig
+from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.disagg.heartbeat import HeartbeatThread
 from kvbaton.disagg.messages import (
     AbortRequests,
@@ -56,6 +58,7 @@ from kvbaton.engine.outputs import TransferFailure
 from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
 from kvbaton.models.registry import resolve_model
+from kvbaton.paths import cache_root
 from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
 from kvbaton.wire import (
     MAX_CONTROL_FRAME_BYTES,
@@ -234,9 +237,19 @@ def router_peer(spec: WorkerSpec) -> Peer:
 def build_core(spec: WorkerSpec, role: Role, secret: bytes) -> EngineCore:
     model_dir = resolve_model(spec.engine.model)
     eos = eos_token_ids(ModelConfig.from_dir(model_dir), Tokenizer(model_dir))
-    core = EngineCore(spec.engine, model_dir, eos, role.kv_transfer(spec, secret))
+    core = EngineCore(worker_engine_config(spec), model_dir, eos, role.kv_transfer(spec, secret))
     core.grammars.start()  # a served engine expects structured requests: their compiler loads while it waits
     return core
+
+
+def worker_engine_config(spec: WorkerSpec) -> EngineConfig:
+    """The pool's engine config, with what is this worker's own: its disk tier's directory (by name, so a
+    restarted worker finds its blocks again)."""
+    store = spec.engine.kv_store
+    if "disk" not in store.tiers:
+        return spec.engine
+    root = Path(store.disk_dir) if store.disk_dir else cache_root() / "kv-store"
+    return dataclasses.replace(spec.engine, kv_store=dataclasses.replace(store, disk_dir=str(root / spec.name)))
 
 
 def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) -> None:

@@ -341,7 +341,8 @@ class WorkerPool:
         loads = [w.load.stats for w in self.workers.values() if w.alive and w.can_decode]
         if not loads:
             return
-        self.stats = EngineStats.total(loads)
+        # NOTE: load from the workers that take requests; cache counters from every worker (prefill ones too)
+        self.stats = EngineStats.total(loads, [w.load.stats for w in self.workers.values() if w.alive])
         for callback in self._stats_listeners:
             callback(self.stats)
 

@@ -269,7 +269,9 @@ class EngineCore:
         return EngineStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
                            kv_cache_usage=self.kv_cache.usage(), kv_slots_allocated=allocated, kv_slots_filled=filled,
                            prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
-                           num_preemptions=self.scheduler.num_preemptions)
+                           num_preemptions=self.scheduler.num_preemptions,
+                           kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
+                           kv_store=tuple(self.store.stats()) if self.store is not None else ())
 
     @property
     def kv_cache_usage(self) -> float:

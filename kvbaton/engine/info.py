@@ -3,10 +3,11 @@ request: torch-free, so the HTTP process and the router never load torch or the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvbaton.engine.kv_cache_manager import cdiv
 from kvbaton.engine.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
+from kvbaton.kv.store.base import TierStats
 
 MAX_LOGPROBS = 20  # as vLLM's default `max_logprobs`
 MAX_STOP_TOKEN_IDS = 1024  # each is checked at every step of the request
@@ -38,19 +39,26 @@ class EngineStats:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_preemptions: int = 0
+    kv_store_hit_tokens: int = 0  # prompt tokens loaded from the KV store instead of computed
+    kv_store: tuple[TierStats, ...] = ()  # per tier, fastest first
 
     @classmethod
-    def total(cls, parts: list[EngineStats]) -> EngineStats:
-        """Counts summed over `parts`; KV usage averaged (each part is a fraction of its own pool)."""
+    def total(cls, parts: list[EngineStats], cache_parts: list[EngineStats] | None = None) -> EngineStats:
+        """Load counts summed over `parts`, KV usage averaged (each part is a fraction of its own pool); cache
+        counters (prefix cache, KV store) summed over `cache_parts` (default: `parts`), which may include
+        workers that take no load of their own (a PD pool's prefill workers)."""
         if not parts:
             return cls()
+        cache = parts if cache_parts is None else cache_parts
         return cls(num_running=sum(s.num_running for s in parts), num_waiting=sum(s.num_waiting for s in parts),
                    kv_cache_usage=sum(s.kv_cache_usage for s in parts) / len(parts),
                    kv_slots_allocated=sum(s.kv_slots_allocated for s in parts),
                    kv_slots_filled=sum(s.kv_slots_filled for s in parts),
-                   prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in parts),
-                   prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in parts),
-                   num_preemptions=sum(s.num_preemptions for s in parts))
+                   prefix_cache_queried_tokens=sum(s.prefix_cache_queried_tokens for s in cache),
+                   prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in cache),
+                   num_preemptions=sum(s.num_preemptions for s in parts),
+                   kv_store_hit_tokens=sum(s.kv_store_hit_tokens for s in cache),
+                   kv_store=merge_tier_stats([t for s in cache for t in s.kv_store]))
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -63,6 +71,25 @@ class EngineStats:
         if not self.kv_slots_allocated:
             return 0.0
         return 1.0 - self.kv_slots_filled / self.kv_slots_allocated
+
+
+def merge_tier_stats(stats: list[TierStats]) -> tuple[TierStats, ...]:
+    """One entry per tier name, in first-seen order: counters summed; occupancy and capacity summed for a
+    tier of each worker's own (disk), taken once for one every worker shares (shm, redis)."""
+    merged: dict[str, TierStats] = {}
+    for t in stats:
+        m = merged.get(t.name)
+        if m is None:
+            merged[t.name] = TierStats(**{f.name: getattr(t, f.name) for f in fields(TierStats)})
+            continue
+        for f in fields(TierStats):
+            if f.name in ("name", "shared"):
+                continue
+            if t.shared and f.name in ("capacity_bytes", "used_bytes", "blocks"):
+                setattr(m, f.name, max(getattr(m, f.name), getattr(t, f.name)))
+            else:
+                setattr(m, f.name, getattr(m, f.name) + getattr(t, f.name))
+    return tuple(merged.values())
 
 
 def validate_request(info: EngineInfo, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:

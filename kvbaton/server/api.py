@@ -295,6 +295,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "prefix_cache_hit_rate": s.prefix_cache_hit_rate, "num_preemptions": s.num_preemptions,
                 "prefix_cache_queried_tokens": s.prefix_cache_queried_tokens,
                 "prefix_cache_hit_tokens": s.prefix_cache_hit_tokens,
+                "kv_store_hit_tokens": s.kv_store_hit_tokens,
+                "kv_store": [dataclasses.asdict(t) for t in s.kv_store],
                 "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending,
                 "compute_path": compute_path}
 

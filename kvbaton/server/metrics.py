@@ -11,6 +11,20 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
                     20.0, 40.0, 80.0)
 
 
+# KV store tiers, one series per tier (summed over workers; occupancy of a shared tier counted once)
+_TIER_GAUGES = {
+    "hits": "Blocks loaded from the tier", "misses": "Lookups the tier could not serve (corrupt and failed included)",
+    "bytes_read": "Payload bytes loaded from the tier", "bytes_written": "Payload bytes written to the tier",
+    "read_seconds": "Seconds spent in loads that hit (over hits: mean load latency)",
+    "write_seconds": "Seconds spent in writes", "used_bytes": "Bytes the tier holds",
+    "capacity_bytes": "Bytes the tier may hold", "blocks": "Blocks the tier holds",
+    "evictions": "Blocks evicted for room", "expirations": "Blocks dropped past their TTL",
+    "corrupt": "Blocks whose header or checksum did not match (each a miss)",
+    "errors": "I/O failures (server gone, disk full), each degraded to a miss or a skipped write",
+    "dropped_writes": "Writes skipped (writer behind, tier down)",
+}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
@@ -42,6 +56,9 @@ class ServerMetrics:
         self.kv_waste = gauge("kv_cache_waste_perc", "Allocated-but-unused KV slots over allocated slots (0..1)")
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all lookups (0..1)")
         self.preemptions = gauge("num_preemptions", "Preemptions since start")
+        self.store_hit_tokens = gauge("kv_store_hit_tokens", "Prompt tokens loaded from the KV store tiers since start")
+        self.tier = {name: Gauge(f"kvbaton:kv_store_{name}", doc, labels + ["tier"], registry=self.registry)
+                     for name, doc in _TIER_GAUGES.items()}
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self._model
@@ -51,6 +68,10 @@ class ServerMetrics:
         self.kv_waste.labels(m).set(stats.kv_waste_fraction)
         self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
+        self.store_hit_tokens.labels(m).set(stats.kv_store_hit_tokens)
+        for tier in stats.kv_store:
+            for name, gauge in self.tier.items():
+                gauge.labels(m, tier.name).set(getattr(tier, name))
 
     def observe_token(self, gap_s: float | None) -> None:
         if gap_s is not None:

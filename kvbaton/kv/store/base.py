@@ -28,6 +28,7 @@ class TierStats:
 
     name: str
     capacity_bytes: int
+    shared: bool = False  # one store every worker uses (shm, redis): occupancy is counted once across workers
     used_bytes: int = 0
     blocks: int = 0
     hits: int = 0

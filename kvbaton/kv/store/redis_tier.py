@@ -82,7 +82,7 @@ class RedisTier(KVTier):
         self._max_pending = max_pending
         self._client = redis_client(url, timeout_s)
         self._lock = threading.Lock()  # guards _stats, _landed and _down_until
-        self._stats = TierStats(self.name, max(0, capacity_bytes))
+        self._stats = TierStats(self.name, max(0, capacity_bytes), shared=True)
         self._landed = 0  # records this tier has written
         self._down_until = 0.0  # time.monotonic() before which the breaker is open
         self._wake = threading.Condition()  # guards _queue, _in_flight and _closing (taken before _lock, never after)

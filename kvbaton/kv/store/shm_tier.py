@@ -18,8 +18,10 @@ wrong KV, because `get` checks the header again under the lock.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import glob
 import logging
 import mmap
 import os
@@ -53,6 +55,13 @@ def arena_path(name: str, payload_bytes: int) -> str:
     return os.path.join(SHM_DIR, f"{safe_arena_name(name)}-{payload_bytes}")
 
 
+def remove_arenas(name: str) -> None:
+    """Remove the arenas of `name`, of every payload size (mapped workers keep their memory until they unmap it)."""
+    for path in glob.glob(glob.escape(os.path.join(SHM_DIR, safe_arena_name(name))) + "-*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def _geometry(capacity_bytes: int, payload_bytes: int) -> tuple[int, int, int]:
     """(num_sets, header offset, payload offset) of an arena of about `capacity_bytes` of payloads."""
     num_sets = max(1, capacity_bytes // payload_bytes // WAYS)
@@ -72,7 +81,7 @@ class ShmTier(KVTier):
         self.num_sets, header_offset, self._payload_offset = self._read_superblock()
         self._headers = np.ndarray((self.num_sets, WAYS), HEADER_DTYPE, buffer=self._mm, offset=header_offset)
         self._thread_lock = threading.RLock()  # POSIX record locks are per process, not per thread
-        self._stats = TierStats(self.name, capacity_bytes=self.num_sets * WAYS * payload_bytes)
+        self._stats = TierStats(self.name, capacity_bytes=self.num_sets * WAYS * payload_bytes, shared=True)
 
     def _read_superblock(self) -> tuple[int, int, int]:
         magic, payload_bytes, num_sets, ways = _SUPER.unpack_from(self._mm, 0)

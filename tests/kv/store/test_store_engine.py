@@ -67,10 +67,10 @@ def redis_url():
 
 def store_for(kind: str, tmp_path: Path, redis_server) -> KVStoreConfig:
     if kind == "shm":
-        return KVStoreConfig(shm_name=f"t{os.getpid()}-{tmp_path.name[-20:]}", shm_gb=0.25)
+        return KVStoreConfig(tiers=("shm",), shm_name=f"t{os.getpid()}-{tmp_path.name[-20:]}", shm_gb=0.25)
     if kind == "disk":
-        return KVStoreConfig(disk_dir=str(tmp_path / "kv"), disk_gb=0.25)
-    return KVStoreConfig(redis_url=redis_server.url)
+        return KVStoreConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), disk_gb=0.25)
+    return KVStoreConfig(tiers=("redis",), redis_url=redis_server.url)
 
 
 @pytest.mark.parametrize("kind", ["shm", "disk", "redis"])
@@ -95,7 +95,7 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_another(kind, tmp_path, re
 
 
 def test_a_corrupt_block_on_disk_is_recomputed(tmp_path, prompts, references):
-    store = KVStoreConfig(disk_dir=str(tmp_path / "kv"), disk_gb=0.25)
+    store = KVStoreConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), disk_gb=0.25)
     a = engine(store)
     run(a, prompts[:1])
     a.engine.core.store.flush()
@@ -116,7 +116,7 @@ def test_a_corrupt_block_on_disk_is_recomputed(tmp_path, prompts, references):
 def test_a_killed_redis_costs_recomputation_only(prompts, references):
     server = start_redis_server()
     try:
-        store = KVStoreConfig(redis_url=server.url)
+        store = KVStoreConfig(tiers=("redis",), redis_url=server.url)
         a = engine(store)
         run(a, prompts[:1])
         a.engine.core.store.flush()
@@ -135,7 +135,7 @@ def test_a_stalled_redis_is_priced_out(prompts, references):
     """SIGSTOP: each call would time out; the breaker and the measured cost turn loads into recomputation."""
     server = start_redis_server()
     try:
-        store = KVStoreConfig(redis_url=server.url)
+        store = KVStoreConfig(tiers=("redis",), redis_url=server.url)
         a = engine(store)
         run(a, prompts[:1])
         a.engine.core.store.flush()

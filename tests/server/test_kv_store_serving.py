@@ -1,0 +1,78 @@
+"""`kvbaton serve --kv-store ...` with real worker processes: a prefix one worker computed reaches another
+through the node's shm arena or a private redis-server, for two colocated replicas and for 1P+1D; output
+stays token-identical to transformers (float32), and `/stats` counts the tokens loaded from the store."""
+
+from __future__ import annotations
+
+import glob
+import random
+
+import httpx
+import pytest
+from helpers import hf_greedy
+from server_harness import kvbaton_server
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 8
+BLOCK = 16
+
+
+def complete(base: str, prompt: list[int]) -> dict:
+    r = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def token_ids(base: str, text: str) -> list[int]:
+    r = httpx.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30)
+    return r.json()["tokens"]
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def arenas_of(pid: int) -> list[str]:
+    return glob.glob(f"/dev/shm/kvb-store-serve-{pid}-*")
+
+
+@pytest.mark.parametrize("tier", ["shm", "redis"])
+def test_two_replicas_share_a_prefix_through_the_store(tier, default_model_dir):
+    prompt = prompt_of(200, seed=hash(tier) % 1000)
+    ref = hf_greedy(default_model_dir, [prompt], MAX_NEW)[0]
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--decode", "2", "--routing",
+                        "round_robin", "--kv-store", tier) as (base, proc):
+        first = complete(base, prompt)  # replica 0 computes it ...
+        second = complete(base, prompt)  # ... replica 1 loads it
+        for out in (first, second):
+            assert out["choices"][0]["text"] == httpx.post(f"{base}/detokenize", json={"tokens": ref}).json()["prompt"]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
+        stats = httpx.get(f"{base}/stats").json()
+        assert stats["kv_store_hit_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
+        [tier_stats] = stats["kv_store"]
+        assert tier_stats["name"] == tier and tier_stats["hits"] == (len(prompt) - 1) // BLOCK
+        assert tier_stats["corrupt"] == tier_stats["errors"] == 0
+        metrics = httpx.get(f"{base}/metrics").text
+        assert f'kvbaton:kv_store_hits{{model_name="SmolLM2-135M-Instruct",tier="{tier}"}}' in metrics
+        if tier == "shm":
+            assert arenas_of(proc.pid)
+    if tier == "shm":
+        assert not arenas_of(proc.pid), "the server's arena outlived it"
+
+
+@pytest.mark.parametrize("tier", ["shm", "redis"])
+def test_pd_prefill_worker_loads_a_prefix_the_decode_worker_computed(tier, default_model_dir):
+    short = prompt_of(40, seed=7)  # under --local-prefill-threshold: the decode worker prefills it itself
+    long = short + prompt_of(120, seed=8)  # goes to the prefill worker, which loads the first blocks
+    refs = hf_greedy(default_model_dir, [short, long], MAX_NEW)
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "1",
+                        "--local-prefill-threshold", "64", "--kv-transport", "tcp", "--kv-store", tier) as (base, _):
+        outs = [complete(base, p) for p in (short, long)]
+        for out, ref in zip(outs, refs):
+            assert out["choices"][0]["text"] == httpx.post(f"{base}/detokenize", json={"tokens": ref}).json()["prompt"]
+        stats = httpx.get(f"{base}/stats").json()
+        assert stats["kv_store_hit_tokens"] == len(short) // BLOCK * BLOCK  # the prefill worker's load
