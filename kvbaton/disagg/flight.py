@@ -39,6 +39,12 @@ class Flight:
     finished: bool = False  # the client has its last output: late outputs of the attempt are dropped
     failures: int = 0  # attempts that ended in a step that raised on it, or with their worker's death
     last_progress: float = field(default_factory=time.monotonic)  # arrival, then each output's arrival
+    resuming: bool = False  # an attempt that continues a stream: its first output says what it restored
+
+    def resume_costs(self, num_cached_tokens: int) -> tuple[int, int]:
+        """(context tokens the resumed attempt found cached, tokens it recomputed), as of its first output."""
+        context = len(self.prompt_token_ids) + len(self.tokens)
+        return num_cached_tokens, max(context - num_cached_tokens, 0)
 
     @property
     def attempt_id(self) -> str:
@@ -47,6 +53,7 @@ class Flight:
     def next_attempt(self) -> None:
         self.attempt += 1
         self.prefill = self.decode = None
+        self.resuming = bool(self.tokens)
 
     def continuation(self) -> tuple[list[int], SamplingParams]:
         """Prompt and params that produce the rest of the output: the tokens the client already

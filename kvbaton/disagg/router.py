@@ -83,7 +83,8 @@ class Router:
         self._decode_policy = make_policy(config.decode_policy, block_size)
         # How requests went: through a prefill worker, prefilled on the decode worker, or
         # re-dispatched after a failure (a transfer, or a worker, that did not make it).
-        self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0}
+        self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0,
+                         "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0}
         self._deadlines: asyncio.Task | None = None
 
     # ---- lifecycle and pool administration ---------------------------------------------------
@@ -349,6 +350,12 @@ class Router:
             return
         if flight.num_cached_tokens is None:
             flight.num_cached_tokens = output.num_cached_tokens
+        if flight.resuming:  # its context came back from the KV store (or this worker's cache), or was recomputed
+            flight.resuming = False
+            restored, recomputed = flight.resume_costs(output.num_cached_tokens)
+            self.counters["resumed"] += 1
+            self.counters["resumed_tokens_restored"] += restored
+            self.counters["resumed_tokens_recomputed"] += recomputed
         handed_off = output.finish_reason == FinishReason.TRANSFER
         client_output = replace(output, request_id=flight.request_id, num_cached_tokens=flight.num_cached_tokens,
                                 finish_reason=None if handed_off else output.finish_reason)

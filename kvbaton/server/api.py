@@ -298,7 +298,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "kv_store_hit_tokens": s.kv_store_hit_tokens,
                 "kv_store": [dataclasses.asdict(t) for t in s.kv_store],
                 "num_in_flight": client.num_in_flight, "num_pending_admission": server.admission.num_pending,
-                "compute_path": compute_path}
+                "compute_path": compute_path, "router": dict(client.counters)}
 
     add_worker_routes(app, client, settings.max_workers)
     add_tokenize_routes(app, server)

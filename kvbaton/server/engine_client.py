@@ -45,6 +45,12 @@ class EngineClient(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """How requests went: dispatch paths, fallbacks, workers lost, and failover resumes (the tokens a
+        resumed attempt restored from the KV store and the ones it recomputed)."""
+        ...
+
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None: ...
 
     def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,

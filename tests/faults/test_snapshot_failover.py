@@ -1,0 +1,77 @@
+"""Snapshot failover: two colocated replicas over the node's shm KV tier, eight streams of 1k-token contexts,
+and one replica SIGKILLed mid-stream. Its decoding requests' full blocks were written through to the arena as
+they filled, so the router's resumed attempts (prompt + the tokens each client already has) load that context
+on the other replica and recompute only the last, partial block. Every stream completes, token-identical to
+transformers in float32, with nothing duplicated or missing; `/stats` reports what the resumes restored."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+
+import httpx
+import pytest
+from helpers import hf_greedy
+from server_harness import kvbaton_server, pid_alive
+
+pytestmark = pytest.mark.slow
+
+NUM_STREAMS = 8
+CONTEXT = 1030
+MAX_NEW = 32
+BLOCK = 16
+KILL_AFTER = 6  # tokens every stream has before the kill
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(2024)
+    return [[rng.randrange(100, 40000) for _ in range(CONTEXT)] for _ in range(NUM_STREAMS)]
+
+
+async def stream(client: httpx.AsyncClient, base: str, prompt: list[int], progress: list[int], i: int) -> list[str]:
+    body = {"prompt": prompt, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True, "stream": True}
+    pieces: list[str] = []
+    async with client.stream("POST", f"{base}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            assert "error" not in event, event
+            pieces.append(event["choices"][0]["text"])
+            progress[i] += 1
+    return pieces
+
+
+async def run_and_kill(base: str, victim_pid: int) -> list[list[str]]:
+    progress = [0] * NUM_STREAMS
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
+        tasks = [asyncio.create_task(stream(client, base, p, progress, i)) for i, p in enumerate(prompts())]
+        for _ in range(6000):  # bounded: 10 min
+            if min(progress) >= KILL_AFTER or any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.1)
+        assert min(progress) >= KILL_AFTER and not any(t.done() for t in tasks), "streams did not get going"
+        os.kill(victim_pid, signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+
+def test_a_killed_replica_s_streams_resume_from_the_snapshot(default_model_dir):
+    refs = hf_greedy(default_model_dir, prompts(), MAX_NEW)
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "2048", "--decode", "2", "--routing",
+                        "round_robin", "--kv-store", "shm", "--kv-cache-memory-gb", "0.5",
+                        "--worker-dead-after", "2") as (base, _):
+        victim = next(w for w in httpx.get(f"{base}/workers").json()["workers"] if w["name"] == "kvbaton-both-0")
+        outs = asyncio.run(run_and_kill(base, victim["pid"]))
+        assert not pid_alive(victim["pid"])
+        expected = [httpx.post(f"{base}/detokenize", json={"tokens": r}).json()["prompt"] for r in refs]
+        assert ["".join(o) for o in outs] == expected
+        router = httpx.get(f"{base}/stats").json()["router"]
+    resumed = router["resumed"]
+    assert resumed >= 1, router  # round robin gave the victim half the streams
+    # each resumed context: all but its last, partial block came back from the arena
+    assert router["resumed_tokens_recomputed"] <= resumed * BLOCK, router
+    assert router["resumed_tokens_restored"] >= resumed * (CONTEXT + KILL_AFTER - BLOCK), router
