@@ -33,6 +33,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "float32", "fp8_e4m3", "int8"],
+                   help="how the KV pool (and the KV store, and the wire) holds K and V: auto is the model's dtype; "
+                        "int8 and fp8_e4m3 keep a scale per token and head (about 53%% of bf16's bytes)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -81,7 +84,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile=args.compile, kernels=not args.no_kernels, compute_path=args.compute_path,
         deterministic=args.deterministic,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
         kv_store=kv_store_config_from_args(args),
     )

@@ -124,6 +124,11 @@ def _parse_rope_scaling(raw: dict) -> RopeScaling | None:
     )
 
 
+# --kv-cache-dtype -> the KV layout's dtype (None: the model's)
+KV_CACHE_DTYPES = {"auto": None, "bf16": "bfloat16", "bfloat16": "bfloat16", "float32": "float32", "int8": "int8",
+                   "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV pool: `num_blocks` blocks of `block_size` token slots per layer."""
@@ -132,8 +137,12 @@ class CacheConfig:
     num_blocks: int | None = None  # None: size from `kv_cache_memory_gb`
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | a KV_CACHE_DTYPES name
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"not {self.kv_cache_dtype!r}")
         if self.block_size < 1:
             raise ConfigError("block_size must be >= 1")
         if self.num_blocks is not None and self.num_blocks < 1:

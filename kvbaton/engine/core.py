@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from kvbaton.config import EngineConfig, ModelConfig
+from kvbaton.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
 from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
@@ -81,11 +81,11 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"auto": torch.bfloat16, "float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def model_kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLayout:
-    """What the Llama family caches: K and V of every KV head, per layer."""
+def model_kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVLayout:
+    """What the Llama family caches: K and V of every KV head, per layer, in `kv_cache_dtype` (auto: the model's)."""
+    kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or str(dtype).removeprefix("torch.")
     return KVLayout.standard(num_layers=cfg.num_hidden_layers, block_size=block_size,
-                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                             dtype=str(dtype).removeprefix("torch."))
+                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=kv_dtype)
 
 
 class EngineCore:
@@ -100,7 +100,7 @@ class EngineCore:
         model = load_model(model_dir, self.dtype, max_model_len)
         apply_compute_plan(model, self.compute_plan)
         block_size = config.cache.block_size
-        self.kv_layout = model_kv_layout(self.model_config, block_size, self.dtype)
+        self.kv_layout = model_kv_layout(self.model_config, block_size, self.dtype, config.cache.kv_cache_dtype)
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.kv_cache_memory_gb * 2**30 // self.kv_layout.bytes_per_block))
         self.info = EngineInfo(max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,

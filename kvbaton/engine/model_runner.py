@@ -46,7 +46,8 @@ class ModelRunner:
         self.kv_caches = pools.caches
         layout = pools.layout
         self.block_size = layout.block_size
-        self.dtype = dtype = torch_dtype(layout)
+        self.dtype = next(model.parameters()).dtype  # what the model computes in (a quantized pool holds bytes)
+        dtype = torch_dtype(layout)  # the pool's storage: the kernels read its format from it
         shape = (model.config.num_attention_heads, layout.num_kv_heads, layout.head_dim)
         # c-per-token (deterministic): every token, prefill ones too, attends as a decode query over its
         # unsplit context, so its sums never depend on the batch, the chunking or the thread count.

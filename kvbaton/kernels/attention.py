@@ -12,6 +12,8 @@ from kvbaton.kernels.build import cpu_kernels
 # Limits compiled into paged_attention.c / paged_prefill.c (stack buffers); other shapes use PyTorch.
 MAX_HEADS, MAX_HEAD_DIM, MAX_KV_ROW = 64, 256, 1024
 MAX_PREFILL_GROUP = 48  # query heads per KV head (paged_prefill.c's MAX_ROWS)
+# vec8.h's KV_* formats, by the pool's storage type (int8: int8 codes, uint8: fp8 e4m3 codes; both with scales)
+KV_FORMATS = {torch.float32: 4, torch.bfloat16: 2, torch.int8: 1, torch.uint8: 3}
 
 
 def _in_fp32(q: torch.Tensor, kv_cache: torch.Tensor, what: str, run: Callable[[int, int], int]) -> torch.Tensor:
@@ -35,12 +37,13 @@ class PagedDecodeKernel:
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                  context_lens: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-        """q: [B, H, D]; kv_cache: [slots, 2, Hkv, D]; block_table: [B, nb] int64 (contiguous);
+        """q: [B, H, D]; kv_cache: [slots, 2, Hkv, D] (quantized: D + scale bytes);
+        block_table: [B, nb] int64 (contiguous);
         context_lens: [B] int64 -> [B, H, D] in q's dtype."""
         batch, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
         return _in_fp32(q, kv_cache, "paged decode kernel", lambda q32, out: self._fn(
-            kv_cache.data_ptr(), kv_cache.element_size(), q32, out, block_table.data_ptr(), context_lens.data_ptr(),
+            kv_cache.data_ptr(), KV_FORMATS[kv_cache.dtype], q32, out, block_table.data_ptr(), context_lens.data_ptr(),
             batch, block_table.shape[1], block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale,
             self.num_threads, int(self.split_context)))
 
@@ -48,7 +51,7 @@ class PagedDecodeKernel:
 def paged_decode_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                         split_context: bool = True) -> PagedDecodeKernel | None:
     """The C decode kernel when it is built and handles these shapes, else None."""
-    if kv_dtype not in (torch.bfloat16, torch.float32) or num_heads > MAX_HEADS or head_dim > MAX_HEAD_DIM:
+    if kv_dtype not in KV_FORMATS or num_heads > MAX_HEADS or head_dim > MAX_HEAD_DIM:
         return None
     if head_dim % 8 or num_kv_heads * head_dim > MAX_KV_ROW:
         return None
@@ -73,14 +76,14 @@ class PagedPrefillKernel:
         tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[2]
         return _in_fp32(q, kv_cache, "paged prefill kernel", lambda q32, out: self._fn(
-            kv_cache.data_ptr(), kv_cache.element_size(), q32, out, blocks.data_ptr(), start_position, tokens,
+            kv_cache.data_ptr(), KV_FORMATS[kv_cache.dtype], q32, out, blocks.data_ptr(), start_position, tokens,
             block_size, num_kv_heads, num_heads // num_kv_heads, head_dim, scale, self.num_threads))
 
 
 def paged_prefill_kernel(kv_dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                          head_dim: int) -> PagedPrefillKernel | None:
     """The C prefill-attention kernel when it is built and handles these shapes, else None."""
-    if kv_dtype not in (torch.bfloat16, torch.float32) or head_dim > MAX_HEAD_DIM or head_dim % 8:
+    if kv_dtype not in KV_FORMATS or head_dim > MAX_HEAD_DIM or head_dim % 8:
         return None
     if num_heads // num_kv_heads > MAX_PREFILL_GROUP:
         return None

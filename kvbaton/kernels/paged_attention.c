@@ -35,7 +35,7 @@
 
 typedef struct {
     const void *kv;
-    int elem_bytes, block_size, num_kv_heads, group, head_dim;
+    int kv_format, block_size, num_kv_heads, group, head_dim; /* kv_format: vec8.h's KV_* */
     float scale;
 } Shape;
 
@@ -46,7 +46,7 @@ static inline void prefetch_tokens(const Shape *s, const int64_t *blocks, int64_
     int64_t n = s->block_size - pos % s->block_size;
     if (n > TILE) n = TILE;
     if (n > end - pos) n = end - pos;
-    const size_t token_bytes = 2 * (size_t)s->num_kv_heads * s->head_dim * s->elem_bytes;
+    const size_t token_bytes = 2 * (size_t)s->num_kv_heads * kv_row_bytes(s->kv_format, s->head_dim);
     const char *first = (const char *)s->kv + slot * token_bytes;
     for (size_t off = 0; off < n * token_bytes; off += 64) __builtin_prefetch(first + off);
 }
@@ -58,8 +58,7 @@ static inline void prefetch_tokens(const Shape *s, const int64_t *blocks, int64_
 static void attend_range(const Shape *s, const float *q, const int64_t *blocks, int64_t start, int64_t end,
                          float *acc_out, float *max_out, float *sum_out) {
     const int num_heads = s->num_kv_heads * s->group, d = s->head_dim;
-    const int kv_row = s->num_kv_heads * d;  /* K (or V) of all heads of one token */
-    const int64_t token_stride = 2 * (int64_t)kv_row;
+    const int kv_row = s->num_kv_heads * d;  /* K (or V) of all heads of one token, in fp32 */
     float qs[MAX_HEADS * MAX_HEAD_DIM];
     float scores[MAX_HEADS][TILE];
     float keys[TILE * MAX_KV_ROW], values[TILE * MAX_KV_ROW];
@@ -83,8 +82,10 @@ static void attend_range(const Shape *s, const float *q, const int64_t *blocks, 
         const int64_t first_slot = block * s->block_size + offset;
         if (pos + n + PF < end) prefetch_tokens(s, blocks, pos + n + PF, end);
         for (int t = 0; t < n; t++) {
-            load_row(s->kv, (first_slot + t) * token_stride, s->elem_bytes, kv_row, keys + t * kv_row);
-            load_row(s->kv, (first_slot + t) * token_stride + kv_row, s->elem_bytes, kv_row, values + t * kv_row);
+            load_kv_rows(s->kv, s->kv_format, first_slot + t, 0, 0, s->num_kv_heads, s->num_kv_heads, d,
+                         keys + t * kv_row);
+            load_kv_rows(s->kv, s->kv_format, first_slot + t, 1, 0, s->num_kv_heads, s->num_kv_heads, d,
+                         values + t * kv_row);
         }
         if (n < TILE) {  /* zero rows past the tile: dot8 pads to 8 keys, the PV loop runs over all TILE */
             memset(keys + n * kv_row, 0, sizeof(float) * (size_t)(TILE - n) * kv_row);
@@ -134,15 +135,15 @@ static void attend_range(const Shape *s, const float *q, const int64_t *blocks, 
  * request's context in one partition (batch-invariant sums, for deterministic serving).
  * Returns 0; -1 for shapes this kernel does not handle (the caller then uses PyTorch);
  * -2 when out of memory. */
-int kvbaton_paged_decode_attention(const void *kv_cache, int elem_bytes, const float *q, float *out,
+int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const float *q, float *out,
                                    const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                                    int64_t max_blocks, int block_size, int num_kv_heads, int group,
                                    int head_dim, float scale, int num_threads, int allow_split) {
     const int num_heads = num_kv_heads * group;
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % 8 || num_kv_heads * head_dim > MAX_KV_ROW
-        || (elem_bytes != 2 && elem_bytes != 4))
+        || !kv_format_ok(kv_format))
         return -1;
-    const Shape shape = {kv_cache, elem_bytes, block_size, num_kv_heads, group, head_dim, scale};
+    const Shape shape = {kv_cache, kv_format, block_size, num_kv_heads, group, head_dim, scale};
     /* Enough partitions per request to give every thread ~4 work items, none shorter than
      * MIN_PARTITION_BLOCKS blocks (below that the merge costs more than it spreads). */
     int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;

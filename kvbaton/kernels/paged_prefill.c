@@ -24,7 +24,7 @@
 
 typedef struct {
     const void *kv;
-    int elem_bytes, block_size, num_kv_heads, group, head_dim;
+    int kv_format, block_size, num_kv_heads, group, head_dim; /* kv_format: vec8.h's KV_* */
     float scale;
 } Shape;
 
@@ -80,7 +80,6 @@ static void attend_tile(const Shape *s, const float *q, float *out, const int64_
                         int count, int g) {
     const int d = s->head_dim, group = s->group, rows = count * group, num_heads = s->num_kv_heads * group;
     const int ld = (rows + 7) & ~7;  /* row stride of the transposed queries and of the scores */
-    const int64_t token_stride = 2 * (int64_t)s->num_kv_heads * d;
     float qt[MAX_HEAD_DIM * MAX_ROWS], acc[MAX_ROWS * MAX_HEAD_DIM];
     float keys[KEY_TILE * MAX_HEAD_DIM], values[KEY_TILE * MAX_HEAD_DIM];
     float scores[KEY_TILE * MAX_ROWS];
@@ -106,9 +105,8 @@ static void attend_tile(const Shape *s, const float *q, float *out, const int64_
         if (n > KEY_TILE) n = KEY_TILE;
         const int64_t first_slot = block * s->block_size + offset;
         for (int t = 0; t < n; t++) {
-            const int64_t row = (first_slot + t) * token_stride + (int64_t)g * d;
-            load_row(s->kv, row, s->elem_bytes, d, keys + t * d);
-            load_row(s->kv, row + (int64_t)s->num_kv_heads * d, s->elem_bytes, d, values + t * d);
+            load_kv_rows(s->kv, s->kv_format, first_slot + t, 0, g, 1, s->num_kv_heads, d, keys + t * d);
+            load_kv_rows(s->kv, s->kv_format, first_slot + t, 1, g, 1, s->num_kv_heads, d, values + t * d);
         }
         if (n < KEY_TILE) {  /* zero keys and values past the tile: the loops below run over all 16 */
             memset(keys + n * d, 0, sizeof(float) * (size_t)(KEY_TILE - n) * d);
@@ -171,13 +169,13 @@ static void attend_tile(const Shape *s, const float *q, float *out, const int64_
  * blocks: the request's block table, covering positions [0, pos0 + T); pos0: context position of
  * the chunk's first token (tokens before it are already in the pool, like the chunk's own K/V).
  * Returns 0, or -1 for shapes it does not handle. */
-int kvbaton_paged_prefill_attention(const void *kv_cache, int elem_bytes, const float *q, float *out,
+int kvbaton_paged_prefill_attention(const void *kv_cache, int kv_format, const float *q, float *out,
                                     const int64_t *blocks, int64_t pos0, int64_t num_tokens, int block_size,
                                     int num_kv_heads, int group, int head_dim, float scale, int num_threads) {
-    if (group > MAX_ROWS || head_dim > MAX_HEAD_DIM || head_dim % 8 || (elem_bytes != 2 && elem_bytes != 4)
+    if (group > MAX_ROWS || head_dim > MAX_HEAD_DIM || head_dim % 8 || !kv_format_ok(kv_format)
         || num_tokens < 1 || pos0 < 0)
         return -1;
-    const Shape shape = {kv_cache, elem_bytes, block_size, num_kv_heads, group, head_dim, scale};
+    const Shape shape = {kv_cache, kv_format, block_size, num_kv_heads, group, head_dim, scale};
     const int tile_tokens = group >= TARGET_ROWS ? 1 : TARGET_ROWS / group;
     const int64_t tiles = (num_tokens + tile_tokens - 1) / tile_tokens;
     /* NOTE: later tiles see more keys: hand them out first so the last items to finish are short. */

@@ -77,6 +77,61 @@ static inline void load_row(const void *base, int64_t index, int elem_bytes, int
     }
 }
 
+/* How a KV pool stores a head's row of K or V (the kernels' `kv_format` argument):
+ *   KV_F32, KV_BF16: head_dim values of 4 or 2 bytes;
+ *   KV_INT8, KV_FP8: head_dim one-byte codes (int8, or fp8 e4m3), then the row's fp32 scale (4 bytes).
+ * One token's slot holds K of every KV head, then V of every KV head. */
+#define KV_INT8 1
+#define KV_BF16 2
+#define KV_FP8 3
+#define KV_F32 4
+#define KV_SCALE_BYTES 4
+
+static inline int kv_format_ok(int f) { return f == KV_INT8 || f == KV_BF16 || f == KV_FP8 || f == KV_F32; }
+
+/* Bytes of one head's row. */
+static inline int64_t kv_row_bytes(int f, int head_dim) {
+    return f == KV_INT8 || f == KV_FP8 ? head_dim + KV_SCALE_BYTES : (int64_t)head_dim * f;
+}
+
+/* fp8 e4m3 -> fp32 without a table: normal numbers by moving the bits into place (re-biasing the
+ * exponent 7 -> 127), subnormals (exponent 0) as mantissa * 2^-9. Branch-free, so loops vectorize;
+ * no fp32 subnormal is formed (-ffast-math may flush them). */
+static inline float fp8_e4m3_to_f32(uint8_t b) {
+    const uint32_t e = (b >> 3) & 0xF, m = b & 7;
+    const uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((e + 120) << 23) | (m << 20);
+    float normal;
+    memcpy(&normal, &bits, sizeof normal);
+    const float sub = (b & 0x80 ? -1.0f : 1.0f) * (float)m * 0.001953125f;
+    return e ? normal : sub;
+}
+
+/* Rows of heads [head0, head0 + nheads) of K (which = 0) or V (which = 1) of token slot `slot`, as fp32
+ * into out[nheads * head_dim]: quantized codes are dequantized here, in registers. */
+static inline void load_kv_rows(const void *kv, int f, int64_t slot, int which, int head0, int nheads,
+                                int num_kv_heads, int head_dim, float *out) {
+    const int64_t row_bytes = kv_row_bytes(f, head_dim);
+    const uint8_t *base = (const uint8_t *)kv + (slot * 2 + which) * num_kv_heads * row_bytes + head0 * row_bytes;
+    if (f == KV_BF16 || f == KV_F32) {
+        load_row(base, 0, f, nheads * head_dim, out);
+        return;
+    }
+    for (int h = 0; h < nheads; h++) {
+        const uint8_t *codes = base + h * row_bytes;
+        float scale;
+        memcpy(&scale, codes + head_dim, sizeof scale);
+        float *o = out + h * head_dim;
+        if (f == KV_INT8) {
+            const int8_t *c = (const int8_t *)codes;
+#pragma omp simd
+            for (int i = 0; i < head_dim; i++) o[i] = (float)c[i] * scale;
+        } else {
+#pragma omp simd
+            for (int i = 0; i < head_dim; i++) o[i] = fp8_e4m3_to_f32(codes[i]) * scale;
+        }
+    }
+}
+
 /* fp32 -> bf16, round to nearest even (what `tensor.to(torch.bfloat16)` does for finite values). */
 static inline uint16_t f32_to_bf16(float f) {
     uint32_t bits;

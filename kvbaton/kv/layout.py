@@ -5,7 +5,8 @@ never spell the shape out themselves.
 A pool holds, per token slot, the layout's `components` side by side, in order:
 
     standard attention:  k [Hkv, D] | v [Hkv, D]                  -> slot shape [2, Hkv, D]
-    (later) int8 KV:     k [Hkv, D] | v [Hkv, D] | scales ...
+    quantized (int8, fp8_e4m3): every head's row is D one-byte codes and its fp32 scale
+                         k [Hkv, D + 4] | v [Hkv, D + 4]           -> slot shape [2, Hkv, D + 4] bytes
     (later) MLA:         c_kv [1, kv_lora_rank] | k_rope [1, rope_dim]
 
 One layer's pool is `pool_shape(num_blocks)` = `[num_blocks * block_size, *slot_shape]`, with
@@ -18,7 +19,11 @@ from __future__ import annotations
 import msgspec
 
 # NOTE: no torch here: the scheduler and the router carry layouts; tensors of a layout are `pools.py`'s.
-ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2}
+ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2, "int8": 1, "fp8_e4m3": 1}
+# NOTE: a quantized row keeps its scale beside its codes (per token, per head), so a block of one layer stays one
+# contiguous run of bytes that every transport and tier moves unchanged, scales included.
+QUANTIZED = ("int8", "fp8_e4m3")
+SCALE_BYTES = 4  # an fp32 scale after each head's codes
 K, V = "k", "v"
 
 
@@ -60,12 +65,21 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     # ---- shape -----------------------------------------------------------------------------
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED
+
+    @property
+    def row_numel(self) -> int:
+        """Elements stored per head and token beyond `head_dim`: a quantized row's scale bytes."""
+        return SCALE_BYTES if self.quantized else 0
+
+    @property
     def slot_shape(self) -> tuple[int, ...]:
-        """One slot's shape: `[num_components, heads, dim]` when every component has the same shape
-        (K and V), else the components' elements flattened."""
+        """One slot's shape: `[num_components, heads, dim (+ scale bytes)]` when every component has the same
+        shape (K and V), else the components' elements flattened."""
         first = self.components[0]
         if all((c.num_heads, c.head_dim) == (first.num_heads, first.head_dim) for c in self.components):
-            return (len(self.components), first.num_heads, first.head_dim)
+            return (len(self.components), first.num_heads, first.head_dim + self.row_numel)
         return (self.slot_numel,)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -74,7 +88,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def slot_numel(self) -> int:
-        return sum(c.numel for c in self.components)
+        return sum(c.num_heads * (c.head_dim + self.row_numel) for c in self.components)
 
     @property
     def block_numel(self) -> int:
@@ -124,7 +138,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
                  for name in ("num_layers", "block_size", "dtype") if getattr(self, name) != getattr(other, name)]
         diffs += _component_diffs(self.components, other.components)
         raise KVLayoutMismatch("KV layout mismatch between prefill and decode workers: " + ", ".join(diffs)
-                               + " (start both pools with the same model, --dtype and --block-size)")
+                               + " (start both pools with the same model, --dtype, --kv-cache-dtype and --block-size)")
 
 
 def _component_diffs(ours: tuple[KVComponent, ...], theirs: tuple[KVComponent, ...]) -> list[str]:

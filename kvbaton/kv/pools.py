@@ -15,9 +15,13 @@ import torch
 
 from kvbaton.kv.layout import KVLayout
 
+# Quantized pools hold raw bytes: int8 codes in an int8 tensor, fp8 codes in a uint8 one (torch's float8 type
+# has no index_copy_ on CPU), so the pool's tensor type alone says how to read it.
+_STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.uint8}
+
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:
-    return getattr(torch, layout.dtype)
+    return _STORAGE.get(layout.dtype) or getattr(torch, layout.dtype)
 
 
 def block_view(kv_cache: torch.Tensor, layout: KVLayout) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbaton.kernels import PagedDecodeKernel, PagedPrefillKernel
+from kvbaton.kernels.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,9 @@ class PagedAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, H, D]; kv: [T, 2, Hkv, D]
-        kv_cache.index_copy_(0, meta.slot_mapping, kv)
+        # q: [T, H, D]; kv: [T, 2, Hkv, D]; kv_cache: [slots, 2, Hkv, D] (quantized: D + scale bytes)
+        stored = quantize_rows(kv, kv_cache.dtype) if is_quantized(kv_cache) else kv.to(kv_cache.dtype)
+        kv_cache.index_copy_(0, meta.slot_mapping, stored)
         if not meta.prefills:
             return self._decode(q, kv_cache, meta)
         if not meta.num_decodes and len(meta.prefills) == 1:
@@ -77,10 +79,13 @@ class PagedAttention(torch.nn.Module):
             out[rows] = self._prefill(q[rows], kv[rows], kv_cache, span, meta.block_size, meta.prefill_kernel)
         return out
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-        """[..., nb] block ids -> [..., nb * block_size, 2, Hkv, D]."""
-        paged = kv_cache.view(-1, block_size, 2, self.num_kv_heads, self.head_dim)  # [N, bs, 2, Hkv, D]
-        return paged[blocks].flatten(-5, -4)
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, block_size: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        """[..., nb] block ids -> [..., nb * block_size, 2, Hkv, D] of `dtype` (a quantized pool's rows dequantized:
+        the request's context, never the pool)."""
+        paged = kv_cache.view(-1, block_size, *kv_cache.shape[1:])  # [N, bs, 2, Hkv, D (+ scale bytes)]
+        context = paged[blocks].flatten(-5, -4)
+        return dequantize_rows(context, dtype) if is_quantized(kv_cache) else context.to(dtype)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         table, context_lens = meta.decode_block_table, meta.decode_context_lens
@@ -91,7 +96,7 @@ class PagedAttention(torch.nn.Module):
         # NOTE: one query per request, so plain batched matmuls beat SDPA's flash kernel;
         # the G query heads sharing a KV head ride along as rows (GQA without repeating K/V).
         batch = q.shape[0]
-        context = self._gather(kv_cache, table, meta.block_size)  # [B, L, 2, Hkv, D]
+        context = self._gather(kv_cache, table, meta.block_size, q.dtype)  # [B, L, 2, Hkv, D]
         keys = context[:, :, 0].transpose(1, 2)  # [B, Hkv, L, D]
         values = context[:, :, 1].transpose(1, 2)
         queries = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # [B, Hkv, G, D]
@@ -105,7 +110,7 @@ class PagedAttention(torch.nn.Module):
             assert span.context_blocks is not None, "with the prefill kernel, spans always carry blocks"
             return kernel(q, kv_cache, span.context_blocks, span.context_len - span.query_len, block_size, self.scale)
         if span.context_blocks is not None:
-            kv = self._gather(kv_cache, span.context_blocks, block_size)[: span.context_len]  # [L, 2, Hkv, D]
+            kv = self._gather(kv_cache, span.context_blocks, block_size, q.dtype)[: span.context_len]  # [L, 2, Hkv, D]
         k, v = kv[:, 0].transpose(0, 1), kv[:, 1].transpose(0, 1)  # [Hkv, L, D]
         # NOTE: with a leading batch dim SDPA takes its fused CPU (flash) kernel, GQA included;
         # 3-D inputs fall to the unfused math path (~5x slower for a 512-token prompt).
