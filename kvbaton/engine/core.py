@@ -38,6 +38,7 @@ from kvbaton.engine.transfers import KVHandoff, Reservation
 from kvbaton.kernels import cpu_kernels
 from kvbaton.kernels.linear import amx_enabled
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
+from kvbaton.kv.hashing import BlockHash
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.store.factory import build_store
@@ -117,6 +118,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len, self.store)
         self.handoff, self.runner = self._build_runner(model, pools, kv_transfer)
         self._consecutive_step_failures = 0
+        self._unsaved: list[tuple[BlockHash, int]] = []  # computed blocks the tiers do not have yet
         self.model_dir = model_dir
         # NOTE: the factory must not hold `self`: a cycle through the core would outlive it (the process entry
         # points freeze the GC's generations, so a cycle is never collected).
@@ -192,6 +194,7 @@ class EngineCore:
         """One scheduled batch through the model. A batch that raises fails its own requests (their
         blocks freed) and the engine goes on; `MAX_CONSECUTIVE_STEP_FAILURES` in a row mean the engine
         itself is broken, and the error propagates (the worker exits and its supervisor replaces it)."""
+        self.save_to_store()
         ready, refused = self.grammars.ready(idle=not self.scheduler.has_unfinished())
         for req in ready:
             self.scheduler.add_request(req)
@@ -212,11 +215,21 @@ class EngineCore:
         return StepResult(outputs, model_output.failed_transfers, refused)
 
     def _store_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Write this step's new full blocks through to the tiers; a prefill-heavy step prices recomputation."""
+        """Queue this step's new full blocks for the tiers; a prefill-heavy step prices recomputation."""
         assert self.store is not None
-        self.store.save(self.kv_cache.drain_new_blocks())
+        self._unsaved.extend(self.kv_cache.drain_new_blocks())
         if sched.num_scheduled_tokens >= PREFILL_SAMPLE_TOKENS:
             self.store.note_prefill(sched.num_scheduled_tokens, seconds)
+
+    def save_to_store(self) -> None:
+        """Write the blocks of the last step through to the tiers.
+
+        NOTE: deferred to the next call that may hand a block out (the next step, a reservation, closing), so
+        a step's outputs (a first token: TTFT) reach the caller without waiting for the copies; until then no
+        block can have been reused, since blocks are only taken inside those calls."""
+        if self.store is not None and self._unsaved:
+            unsaved, self._unsaved = self._unsaved, []
+            self.store.save(unsaved)
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[RequestFailure]:
         ids = [s.request_id for s in sched.scheduled]
@@ -231,6 +244,7 @@ class EngineCore:
     def reserve_for_transfer(self, req: Request, deadline_s: float) -> Reservation | None:
         """Decode role: validate `req`, reserve blocks for its prompt's KV and expect it (None: no room now)."""
         self.validate(req)
+        self.save_to_store()  # the reservation may evict a block still to be saved
         if req.sampling_params.structured_output is not None:
             self.grammars.compile(req.sampling_params.structured_output)  # ready, most likely, by the first decode
         return self.handoff.reserve(req, deadline_s)
@@ -285,6 +299,7 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+        self.save_to_store()
         if self.store is not None:
             self.store.flush()
             self.store.check_integrity()
@@ -293,6 +308,7 @@ class EngineCore:
         """Stop the connector's threads and give back a shared pool's name."""
         self.handoff.close()
         if self.store is not None:
+            self.save_to_store()
             self.store.close()
         self.runner.pools.close()
         self.grammars.close()

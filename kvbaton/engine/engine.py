@@ -66,6 +66,7 @@ class LLMEngine:
             if stop_string is not None and core_output.finish_reason is None:
                 self.core.abort_requests([core_output.request_id], FinishReason.STOP)
             results.append(out)
+        self.core.save_to_store()  # the step's new blocks into the KV store tiers, its outputs processed first
         return results
 
     def stats(self) -> EngineStats:

@@ -25,9 +25,8 @@ def complete(base: str, prompt: list[int]) -> dict:
     return r.json()
 
 
-def token_ids(base: str, text: str) -> list[int]:
-    r = httpx.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30)
-    return r.json()["tokens"]
+def text_of(base: str, token_ids: list[int]) -> str:
+    return httpx.post(f"{base}/detokenize", json={"tokens": token_ids}, timeout=30).json()["prompt"]
 
 
 def prompt_of(n: int, seed: int) -> list[int]:
@@ -48,7 +47,7 @@ def test_two_replicas_share_a_prefix_through_the_store(tier, default_model_dir):
         first = complete(base, prompt)  # replica 0 computes it ...
         second = complete(base, prompt)  # ... replica 1 loads it
         for out in (first, second):
-            assert out["choices"][0]["text"] == httpx.post(f"{base}/detokenize", json={"tokens": ref}).json()["prompt"]
+            assert out["choices"][0]["text"] == text_of(base, ref)
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(prompt) - 1) // BLOCK * BLOCK
         stats = httpx.get(f"{base}/stats").json()
@@ -73,6 +72,24 @@ def test_pd_prefill_worker_loads_a_prefix_the_decode_worker_computed(tier, defau
                         "--local-prefill-threshold", "64", "--kv-transport", "tcp", "--kv-store", tier) as (base, _):
         outs = [complete(base, p) for p in (short, long)]
         for out, ref in zip(outs, refs):
-            assert out["choices"][0]["text"] == httpx.post(f"{base}/detokenize", json={"tokens": ref}).json()["prompt"]
+            assert out["choices"][0]["text"] == text_of(base, ref)
         stats = httpx.get(f"{base}/stats").json()
         assert stats["kv_store_hit_tokens"] == len(short) // BLOCK * BLOCK  # the prefill worker's load
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_pd_moves_quantized_kv_with_its_scales(kind, default_model_dir):
+    """1P+1D with a quantized pool on both: the blocks (codes and scales) cross the wire as bytes, and the
+    decode worker's output equals the same engine's colocated output."""
+    from helpers import greedy
+
+    from kvbaton import LLM
+
+    prompt = prompt_of(150, seed=21)
+    colocated = greedy(LLM(dtype="float32", kv_cache_dtype=kind), MAX_NEW, [prompt])[0]
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "1",
+                        "--local-prefill-threshold", "0", "--kv-transport", "tcp", "--kv-cache-dtype", kind,
+                        "--kv-store", "shm") as (base, _):
+        out = complete(base, prompt)
+        assert out["choices"][0]["text"] == text_of(base, colocated)
+        assert httpx.get(f"{base}/stats").json()["kv_store"][0]["bytes_written"] > 0  # the tier holds int8 blocks

@@ -2,19 +2,24 @@
 and a checksum over key and payload, so a torn write, a flipped bit or a file renamed onto another
 key reads as a miss, never as someone else's KV.
 
-    magic (4) | version (1) | reserved (3) | key (KEY_BYTES) | payload length (8, LE) | blake2b-16 | payload
+    magic (4) | version (1) | reserved (3) | key (KEY_BYTES) | payload length (8, LE) | CRC-32 (4) | pad (4) | payload
+
+NOTE: CRC-32 (zlib, ~4 GB/s here), not a cryptographic digest (blake2b ran at 0.5 GB/s, 7x slower than
+reading the file): it guards against accidents (torn writes, flipped bits, a file moved onto another
+key's name, which the stored key catches), not against someone who may write the tier's files or
+keys, who could forge any checksum we did not key with a secret.
 """
 
 from __future__ import annotations
 
-import hashlib
 import struct
+import zlib
 
 from kvbaton.kv.store.keys import KEY_BYTES
 
 MAGIC = b"KVBK"
-VERSION = 1
-_HEAD = struct.Struct(f"<4sB3x{KEY_BYTES}sQ16s")
+VERSION = 2
+_HEAD = struct.Struct(f"<4sB3x{KEY_BYTES}sQI4x")
 HEADER_BYTES = _HEAD.size
 
 
@@ -22,10 +27,8 @@ class CorruptRecord(ValueError):
     """A stored block whose header or checksum does not match what was asked for."""
 
 
-def checksum(key: bytes, payload: memoryview | bytes) -> bytes:
-    digest = hashlib.blake2b(key, digest_size=16)
-    digest.update(payload)
-    return digest.digest()
+def checksum(key: bytes, payload: memoryview | bytes) -> int:
+    return zlib.crc32(payload, zlib.crc32(key))
 
 
 def write_header(buffer: memoryview, key: bytes, payload_bytes: int) -> None:

@@ -5,7 +5,7 @@
     contains(keys) ─▶ one pipeline of EXISTS, one per key
     get(key)       ─▶ GET, then the record's header and checksum are checked
 
-* **Framing.** A value is a `records` frame (header naming the key, blake2b over key and payload):
+* **Framing.** A value is a `records` frame (header naming the key, CRC-32 over key and payload):
   a torn, altered or misplaced value (another key's record under this name) reads as a miss,
   counted `corrupt`, and is deleted. Redis is not trusted with integrity.
 * **TTL.** Every SET carries `PX ttl_ms`, so no block outlives `ttl_s` after its last write. A
