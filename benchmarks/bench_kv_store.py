@@ -26,7 +26,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.machine import cpu_name
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import KVStoreConfig
 from kvbaton.kv.layout import KVLayout
@@ -52,13 +52,6 @@ RESULTS = Path(__file__).parent / "results"
 LAYOUT = KVLayout.standard(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 NUM_BLOCKS = 256
 SECTIONS = ("tiers", "crossover", "shared_prefix", "failover", "write_policy")
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def pctl(values: list[float], q: float) -> float:

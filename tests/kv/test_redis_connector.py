@@ -30,21 +30,6 @@ TTL_S = 30
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_redis_server()
-    yield srv
-    srv.stop()
-    assert not os.path.exists(f"/proc/{srv.pid}"), "redis-server outlived stop()"
-
-
-@pytest.fixture
-def store(server) -> redis.Redis:
-    client = redis.Redis.from_url(server.url)
-    yield client
-    client.close()
-
-
 @pytest.fixture
 def connectors(server):
     """make(dtype) -> (sender, receiver, src pools, dst pools); everything is closed after the test."""

@@ -23,21 +23,6 @@ PAYLOAD = 4096
 PREFIX = "kvb:kv:"
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = start_redis_server()
-    yield srv
-    srv.stop()
-    assert not os.path.exists(f"/proc/{srv.pid}"), "redis-server outlived stop()"
-
-
-@pytest.fixture
-def store(server) -> redis.Redis:
-    client = redis.Redis.from_url(server.url)
-    yield client
-    client.close()
-
-
 @pytest.fixture
 def tiers():
     """make(url, **options) -> RedisTier; each is integrity-checked and closed after the test."""
