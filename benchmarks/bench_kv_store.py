@@ -51,7 +51,7 @@ from kvbaton.kv.store.tiered import TieredStore
 RESULTS = Path(__file__).parent / "results"
 LAYOUT = KVLayout.standard(num_layers=30, block_size=16, num_kv_heads=3, head_dim=64, dtype="bfloat16")
 NUM_BLOCKS = 256
-SECTIONS = ("tiers", "crossover", "shared_prefix", "failover", "write_policy")
+SECTIONS = ("tiers", "crossover", "shared_prefix", "multi_turn", "failover", "write_policy")
 
 
 def pctl(values: list[float], q: float) -> float:
@@ -262,6 +262,42 @@ def section_shared_prefix(rng: random.Random, model_dir: Path, groups: int = 6, 
     return results
 
 
+def section_multi_turn(rng: random.Random, conversations: int = 4, turns: int = 5) -> dict:
+    """Chats whose turns alternate between two replicas (as a load balancer without session affinity does):
+    each turn's prompt is the whole history (a 512-token start, then 64 user tokens and 32 answer tokens a
+    turn), so every turn after the first finds its history on the other replica. TTFT of turns 2..n."""
+    arena = f"bench-mt-{os.getpid()}"
+    configs = {"none": None, "shm": KVStoreConfig(tiers=("shm",), shm_name=arena, shm_gb=2.0)}
+    pairs = {label: (engine(store), engine(store)) for label, store in configs.items()}
+    answer = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    times: dict[str, list[float]] = {label: [] for label in pairs}
+    for _ in range(conversations):
+        opening = fresh_prompt(rng, 512)
+        user_turns = [fresh_prompt(rng, 64) for _ in range(turns)]
+        for label, replicas in pairs.items():
+            history = list(opening)
+            for t in range(turns):
+                llm = replicas[t % 2]
+                history += user_turns[t]
+                start = time.perf_counter()
+                out = llm.generate([{"prompt_token_ids": history}], answer)[0]
+                if t:
+                    times[label].append(out.metrics.ttft if out.metrics and out.metrics.ttft is not None
+                                        else time.perf_counter() - start)
+                history += list(out.outputs[0].token_ids)
+    results: dict = {}
+    for label, replicas in pairs.items():
+        results[label] = {"ttft_p50": pctl(times[label], 50), "ttft_p99": pctl(times[label], 99)}
+        for llm in replicas:
+            llm.engine.core.close()
+    remove_arenas(arena)
+    results["speedup_p50"] = results["none"]["ttft_p50"] / results["shm"]["ttft_p50"]
+    print(f"multi-turn: TTFT p50 {results['none']['ttft_p50'] * 1e3:.0f} ms without the store, "
+          f"{results['shm']['ttft_p50'] * 1e3:.0f} ms with shm ({results['speedup_p50']:.2f}x); p99 "
+          f"{results['none']['ttft_p99'] * 1e3:.0f} vs {results['shm']['ttft_p99'] * 1e3:.0f} ms", flush=True)
+    return results
+
+
 def section_failover(rng: random.Random) -> dict:
     arena = f"bench-fo-{os.getpid()}"
     store = KVStoreConfig(tiers=("shm",), shm_name=arena, shm_gb=2.0)
@@ -341,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         doc["crossover"] = section_crossover(doc.get("tiers"), rng)
     if "shared_prefix" in sections:
         doc["shared_prefix"] = section_shared_prefix(rng, model_dir)
+    if "multi_turn" in sections:
+        doc["multi_turn"] = section_multi_turn(rng)
     if "failover" in sections:
         doc["failover"] = section_failover(rng)
     if "write_policy" in sections:

@@ -132,7 +132,10 @@ class Worker:
                 for failure in result.failed_requests:
                     self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=failure.in_step))
                 self.send(WorkerOutputs(self.name, result.outputs, self._load()))
-                self.core.save_to_store()  # once the outputs are out: a first token does not wait for the copies
+                # once the outputs are out, so a first token does not wait for the copies; the next heartbeat
+                # carries the store's counters with them
+                if self.core.save_to_store():
+                    self._load()
             if self.draining and self._idle():
                 self.send(Drained(self.name))
                 self.draining = False

@@ -221,15 +221,17 @@ class EngineCore:
         if sched.num_scheduled_tokens >= PREFILL_SAMPLE_TOKENS:
             self.store.note_prefill(sched.num_scheduled_tokens, seconds)
 
-    def save_to_store(self) -> None:
+    def save_to_store(self) -> bool:
         """Write the blocks of the last step through to the tiers.
 
         NOTE: deferred to the next call that may hand a block out (the next step, a reservation, closing), so
         a step's outputs (a first token: TTFT) reach the caller without waiting for the copies; until then no
         block can have been reused, since blocks are only taken inside those calls."""
-        if self.store is not None and self._unsaved:
-            unsaved, self._unsaved = self._unsaved, []
-            self.store.save(unsaved)
+        if self.store is None or not self._unsaved:
+            return False
+        unsaved, self._unsaved = self._unsaved, []
+        self.store.save(unsaved)
+        return True
 
     def _fail_batch(self, sched: SchedulerOutput, exc: Exception) -> list[RequestFailure]:
         ids = [s.request_id for s in sched.scheduled]

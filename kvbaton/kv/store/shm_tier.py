@@ -186,7 +186,8 @@ class ShmTier(KVTier):
                 row[way]["expires"], row[way]["last_access"] = now + self.ttl_s, now
                 return None
             way = self._victim(row, now)
-            if way is None:
+            if way is None:  # every slot of the set is being written: skip this block
+                self._stats.dropped_writes += 1
                 return None
             self._count_eviction(row[way], now)
             row[way]["key"] = np.frombuffer(key, np.uint8)
