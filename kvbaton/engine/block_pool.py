@@ -91,6 +91,17 @@ class BlockPool:
         self._cached[block_hash] = block.block_id
         return True
 
+    def forget(self, block: KVBlock, block_hash: BlockHash) -> None:
+        """Take a block out of the prefix-cache index (its content never came to be); a free one becomes uncached."""
+        if block.block_hash != block_hash:
+            return
+        if self._cached.get(block_hash) == block.block_id:
+            del self._cached[block_hash]
+        block.block_hash = None
+        if block.block_id in self._free_cached:
+            del self._free_cached[block.block_id]
+            self._free_uncached[block.block_id] = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that no request uses; returns how many were dropped."""
         dropped = list(self._free_cached)

@@ -113,8 +113,8 @@ class EngineCore:
         self.store = build_store(config.kv_store, model_dir, pools)
         write_back = self.store is not None and config.kv_store.write_policy == "write-back"
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
-                                       track_new_blocks=self.store is not None and not write_back,
                                        on_evict=self.store.save_evicted if write_back and self.store else None)
+        self._write_through = self.store is not None and not write_back
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len, self.store)
         self.handoff, self.runner = self._build_runner(model, pools, kv_transfer)
         self._consecutive_step_failures = 0
@@ -204,20 +204,23 @@ class EngineCore:
             model_output = self.runner.execute(sched)
             outputs = self.scheduler.update_from_output(sched, model_output)
         except Exception as exc:
-            self.kv_cache.drain_new_blocks()  # not computed: nothing to store
+            self.kv_cache.forget_new_blocks()  # never computed: neither the prefix cache nor the store may keep them
             self._consecutive_step_failures += 1
             if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))
         self._consecutive_step_failures = 0
+        new_blocks = self.kv_cache.drain_new_blocks()
         if self.store is not None:
-            self._store_step(sched, time.perf_counter() - start)
+            self._store_step(sched, time.perf_counter() - start, new_blocks)
         return StepResult(outputs, model_output.failed_transfers, refused)
 
-    def _store_step(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Queue this step's new full blocks for the tiers; a prefill-heavy step prices recomputation."""
+    def _store_step(self, sched: SchedulerOutput, seconds: float, new_blocks: list[tuple[BlockHash, int]]) -> None:
+        """Queue this step's new full blocks for the tiers (write-through); a prefill-heavy step prices
+        recomputation."""
         assert self.store is not None
-        self._unsaved.extend(self.kv_cache.drain_new_blocks())
+        if self._write_through:
+            self._unsaved.extend(new_blocks)
         if sched.num_scheduled_tokens >= PREFILL_SAMPLE_TOKENS:
             self.store.note_prefill(sched.num_scheduled_tokens, seconds)
 

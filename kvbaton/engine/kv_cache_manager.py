@@ -30,13 +30,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, track_new_blocks: bool = False,
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  on_evict: Callable[[BlockHash, int], None] | None = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, on_evict)
-        # KV store, write-through: blocks indexed since the last drain (full once the step has run)
-        self._new_blocks: list[tuple[BlockHash, int]] | None = [] if track_new_blocks else None
+        # Blocks indexed since the last drain, full once the step has run: the KV store writes them through, and a
+        # step that raises un-indexes them (their KV never came to be)
+        self._new_blocks: list[tuple[BlockHash, int]] = []
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed_blocks: dict[str, int] = {}  # blocks of a request already in the cache index
         self._queried_tokens = 0
@@ -109,6 +110,12 @@ class KVCacheManager:
         out, self._new_blocks = self._new_blocks, []
         return out
 
+    def forget_new_blocks(self) -> None:
+        """The step that was to compute the blocks indexed since the last drain raised: take them out of the
+        prefix-cache index, so no later request hits KV that was never (or only partly) computed."""
+        for block_hash, block_id in self.drain_new_blocks():
+            self.pool.forget(self.pool.blocks[block_id], block_hash)
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
@@ -151,6 +158,6 @@ class KVCacheManager:
             return
         self._extend_hashes(req, num_full)
         for i in range(start, num_full):
-            if self.pool.cache(blocks[i], req.block_hashes[i]) and self._new_blocks is not None:
+            if self.pool.cache(blocks[i], req.block_hashes[i]):
                 self._new_blocks.append((req.block_hashes[i], blocks[i].block_id))
         self._num_hashed_blocks[req.request_id] = num_full

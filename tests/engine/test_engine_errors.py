@@ -138,6 +138,30 @@ def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(llm):
     assert engine.kv_cache.pool.usage() == 0.0
 
 
+def test_a_step_that_raises_before_its_kv_is_written_leaves_nothing_in_the_prefix_cache(llm):
+    """The prompt's full blocks are indexed when the step is scheduled; a fault in the first layer means their
+    KV was never written. They must leave the index with the failed request: the same prompt afterwards
+    computes them again (nothing cached) and gives the clean output."""
+    engine = llm.engine
+    prompt = [21, 22, 23, 24, 25, 26, 27, 28, 29, 30]
+    clean = LLM(llm.engine.config.model, dtype="float32", max_model_len=64, block_size=4).generate(
+        [{"prompt_token_ids": prompt}], GREEDY)[0].outputs[0].token_ids
+
+    def raise_always(module, args):
+        raise RuntimeError("injected fault in layer 0")
+
+    llm.generate([{"prompt_token_ids": [3, 4, 5]}], GREEDY)  # a step that succeeds: no failures in a row before
+    hook = engine.core.runner.model.layers[0].register_forward_pre_hook(raise_always)
+    try:
+        engine.add_request("early-victim", {"prompt_token_ids": prompt}, GREEDY)
+        assert [o.outputs[0].finish_reason for o in engine.step()] == ["abort"]
+    finally:
+        hook.remove()
+    engine.check_integrity()
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY)[0]
+    assert out.metrics.num_cached_tokens == 0 and out.outputs[0].token_ids == clean
+
+
 def test_cache_salt_separates_prefix_caches(llm):
     """Requests with different `cache_salt`s never share a block; equal salts (and no salt) do."""
     engine = llm.engine
