@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from kvbaton.cluster.deploy import DeploymentSpec
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+KV_CACHE_DTYPE_CHOICES = ["auto", "bf16", "float32", "fp8_e4m3", "int8"]
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,7 +34,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "float32", "fp8_e4m3", "int8"],
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="how the KV pool (and the KV store, and the wire) holds K and V: auto is the model's dtype; "
                         "int8 and fp8_e4m3 keep a scale per token and head (about 53%% of bf16's bytes)")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--decode", type=int, default=0,
                     help="decode workers (with --prefill 0: colocated replicas; 0 and 0: one colocated worker)")
     pd.add_argument("--kv-transport", default="shm", choices=["shm", "tcp", "redis", "mooncake"])
+    pd.add_argument("--prefill-kv-cache-dtype", default=None, choices=KV_CACHE_DTYPE_CHOICES,
+                    help="the prefill workers' KV dtype, when it should differ from --kv-cache-dtype (the decode "
+                         "workers'); they convert what they receive (shm, tcp, redis transports)")
     pd.add_argument("--allow-insecure-kv-transport", action="store_true",
                     help="let --kv-transport mooncake listen off loopback: its data plane is unauthenticated "
                          "(any host that reaches it can read or write the KV pools); private networks only")
@@ -229,7 +233,7 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                           transfer_deadline_s=args.transfer_timeout, request_timeout_s=args.request_timeout)
     return DeploymentSpec(num_prefill=args.prefill, num_decode=max(args.decode, 1), kv_transport=args.kv_transport,
                           allow_insecure_kv_transport=args.allow_insecure_kv_transport,
-                          encrypt_traffic=args.encrypt_traffic,
+                          encrypt_traffic=args.encrypt_traffic, prefill_kv_cache_dtype=args.prefill_kv_cache_dtype,
                           redis_url=args.redis_url, backend=Backend(args.backend), ray_address=args.address,
                           router=router, pool=PoolConfig(dead_after_s=args.worker_dead_after,
                                                          restart=RestartPolicy(max_restarts=args.max_worker_restarts)))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbaton.config import ConfigError, EngineConfig
+from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
 from kvbaton.disagg.launcher import Launcher
 from kvbaton.disagg.policies import POLICIES
 from kvbaton.disagg.router import Router, RouterConfig
@@ -47,10 +47,20 @@ class DeploymentSpec:
     pool: PoolConfig = field(default_factory=PoolConfig)
     log_dir: Path | None = None  # local backend: one log file per worker (None: this process's stderr)
     encrypt_traffic: bool = False  # ZeroMQ CURVE on router <-> worker control and the tcp/shm/mooncake KV sockets
+    # the prefill pool's --kv-cache-dtype when it differs from the decode pool's (None: the same); the decode
+    # workers convert the blocks they receive (kvbaton.kv.convert), which mooncake cannot
+    prefill_kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("a deployment needs at least one decode worker and no negative pool size")
+        if self.prefill_kv_cache_dtype is not None:
+            if self.prefill_kv_cache_dtype not in KV_CACHE_DTYPES:
+                raise ConfigError(f"prefill KV cache dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                  f"not {self.prefill_kv_cache_dtype!r}")
+            if self.kv_transport == "mooncake":
+                raise ConfigError("--prefill-kv-cache-dtype needs a KV transport whose receiver converts (shm, tcp, "
+                                  "redis): mooncake moves blocks between pools as they are")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"unknown KV transport {self.kv_transport!r}; choose one of {', '.join(TRANSPORTS)}")
         for policy in (self.router.prefill_policy, self.router.decode_policy):
@@ -105,6 +115,14 @@ def resolve_kv_store(engine: EngineConfig, cleanups: list[Callable[[], None]]) -
     return engine if store is engine.kv_store else dataclasses.replace(engine, kv_store=store)
 
 
+def prefill_engine(engine: EngineConfig, spec: DeploymentSpec) -> EngineConfig | None:
+    """The prefill pool's engine config when it differs from the decode pool's (its KV dtype)."""
+    dtype = spec.prefill_kv_cache_dtype
+    if dtype is None or dtype == engine.cache.kv_cache_dtype:
+        return None
+    return dataclasses.replace(engine, cache=dataclasses.replace(engine.cache, kv_cache_dtype=dtype))
+
+
 def make_launcher(spec: DeploymentSpec, secret: bytes) -> Launcher:
     if spec.backend == Backend.RAY:
         from kvbaton.cluster.ray import RayLauncher
@@ -138,7 +156,7 @@ async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpe
         connector = ConnectorSpec(transport=spec.kv_transport, redis_url=redis_url,
                                   allow_insecure_transport=spec.allow_insecure_kv_transport)
         pool = WorkerPool(engine, launcher, secret, spec.pool, connector, host=host,
-                          encrypt_traffic=spec.encrypt_traffic)
+                          encrypt_traffic=spec.encrypt_traffic, prefill_engine=prefill_engine(engine, spec))
         router = Router(pool, tokenizer, spec.router)
         await router.start(spec.num_prefill, spec.num_decode)
     except BaseException:

@@ -93,7 +93,7 @@ class WorkerHandle:
                 "address": self.address, "healthy": self.alive, "draining": self.draining,
                 "num_running": s.num_running, "num_waiting": s.num_waiting, "num_receiving": self.load.num_receiving,
                 "num_sending": self.load.num_sending, "kv_cache_usage": s.kv_cache_usage,
-                "in_flight": len(self.attempts), "compute_path": self.info.compute_path}
+                "in_flight": len(self.attempts), "compute_path": self.info.compute_path, "kv_dtype": self.layout.dtype}
 
 
 class PoolListener(Protocol):
@@ -119,8 +119,9 @@ class PoolListener(Protocol):
 class WorkerPool:
     def __init__(self, engine: EngineConfig, launcher: Launcher, secret: bytes, config: PoolConfig = PoolConfig(),
                  connector: ConnectorSpec | None = None, host: str = "127.0.0.1",
-                 encrypt_traffic: bool = False) -> None:
+                 encrypt_traffic: bool = False, prefill_engine: EngineConfig | None = None) -> None:
         self.engine_config, self.launcher, self.config, self.host = engine, launcher, config, host
+        self.prefill_engine_config = prefill_engine or engine  # e.g. another KV dtype for the prefill pool
         self.connector = connector or ConnectorSpec()
         self.encrypt_traffic = encrypt_traffic  # CURVE on every control socket, ours and the workers'
         self._curve = curve_keys(secret, encrypt_traffic)
@@ -162,7 +163,8 @@ class WorkerPool:
 
     async def add_worker(self, role: WorkerRole) -> str:
         """Start one more worker in `role`; it joins the pool when it says hello."""
-        spec = WorkerSpec(role=role, index=self._next_index[role], engine=self.engine_config, router=self.address,
+        engine = self.prefill_engine_config if role == WorkerRole.PREFILL else self.engine_config
+        spec = WorkerSpec(role=role, index=self._next_index[role], engine=engine, router=self.address,
                           router_session=self._codec.me.session.hex(),
                           host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s,
                           encrypt_traffic=self.encrypt_traffic)

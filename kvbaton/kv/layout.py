@@ -17,6 +17,7 @@ One layer's pool is `pool_shape(num_blocks)` = `[num_blocks * block_size, *slot_
 from __future__ import annotations
 
 import msgspec
+import msgspec.structs
 
 # NOTE: no torch here: the scheduler and the router carry layouts; tensors of a layout are `pools.py`'s.
 ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2, "int8": 1, "fp8_e4m3": 1}
@@ -131,14 +132,26 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     # ---- agreement between workers -----------------------------------------------------------
 
+    def with_dtype(self, dtype: str) -> KVLayout:
+        return msgspec.structs.replace(self, dtype=dtype)
+
     def check_compatible(self, other: KVLayout) -> None:
-        if self == other:
-            return
+        """Byte-identical blocks, or KVLayoutMismatch: for transports that write into the peer's pool
+        themselves (mooncake), where nobody could convert."""
+        self._check(other, ("num_layers", "block_size", "dtype"), "the same model, --kv-cache-dtype and --block-size")
+
+    def check_transferable(self, other: KVLayout) -> None:
+        """The same blocks up to the element type, or KVLayoutMismatch: a receiver converts another KV
+        dtype as it writes its pool (`kvbaton.kv.convert`), so prefill and decode may differ in it."""
+        self._check(other, ("num_layers", "block_size"), "the same model and --block-size")
+
+    def _check(self, other: KVLayout, fields: tuple[str, ...], advice: str) -> None:
         diffs = [f"{name} {getattr(self, name)} vs {getattr(other, name)}"
-                 for name in ("num_layers", "block_size", "dtype") if getattr(self, name) != getattr(other, name)]
+                 for name in fields if getattr(self, name) != getattr(other, name)]
         diffs += _component_diffs(self.components, other.components)
-        raise KVLayoutMismatch("KV layout mismatch between prefill and decode workers: " + ", ".join(diffs)
-                               + " (start both pools with the same model, --dtype, --kv-cache-dtype and --block-size)")
+        if diffs:
+            raise KVLayoutMismatch("KV layout mismatch between prefill and decode workers: " + ", ".join(diffs)
+                                   + f" (start both pools with {advice})")
 
 
 def _component_diffs(ours: tuple[KVComponent, ...], theirs: tuple[KVComponent, ...]) -> list[str]:

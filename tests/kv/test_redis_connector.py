@@ -166,7 +166,7 @@ def test_forged_unsigned_and_misdirected_notices_are_refused(connectors, store):
 
     def notice(layer: int, blocks: list[int]) -> LayerStored:
         return LayerStored("d", "forged", dst_digest(blocks), layer, peer.LAYERS, keys[layer], payload.nbytes,
-                           hashlib.sha256(payload).digest())
+                           hashlib.sha256(payload).digest(), sender.layout.dtype)
 
     unsigned = msgspec.msgpack.encode(notice(0, dst_ids))
     frames = [b"", b"junk", unsigned, b"\0" * 32 + unsigned,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import random
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -100,3 +101,28 @@ def test_pd_moves_quantized_kv_with_its_scales(kind, default_model_dir):
                 break
             time.sleep(0.1)
         assert written > 0  # the tier holds the quantized blocks
+
+
+def test_pd_with_different_kv_dtypes_converts_on_the_decode_worker(default_model_dir):
+    """Prefill keeps float32 KV, decode int8 (`--prefill-kv-cache-dtype`): the decode worker quantizes the blocks
+    it receives. The first token is the prefill worker's, so exactly transformers' (float32); the rest decodes
+    over int8 KV, so it may drift from float32 as int8 KV does (tests/kv/test_kv_quantization.py bounds that)."""
+    from kvbaton.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(default_model_dir)
+    words = (Path(__file__).parents[1] / "data" / "kv_quality_text.txt").read_text().split()
+    prompts = [tokenizer.encode(" ".join(words[i * 90:i * 90 + 80])) for i in range(4)]
+    refs = hf_greedy(default_model_dir, prompts, MAX_NEW)
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "1",
+                        "--local-prefill-threshold", "0", "--kv-cache-dtype", "int8",
+                        "--prefill-kv-cache-dtype", "float32") as (base, _):
+        outs = [complete(base, p) for p in prompts]
+        router = httpx.get(f"{base}/stats").json()["router"]
+        workers = httpx.get(f"{base}/workers").json()["workers"]
+        assert {(w["role"], w["kv_dtype"]) for w in workers} == {("prefill", "float32"), ("decode", "int8")}
+        assert router["disaggregated"] == len(prompts) and router["fallbacks"] == 0  # every prompt went P -> D
+        texts = [out["choices"][0]["text"] for out in outs]
+        for text, ref in zip(texts, refs):
+            assert text.startswith(text_of(base, ref[:1]))
+        # observed: all four identical to float32 over MAX_NEW tokens on this text; int8 KV may flip one
+        assert sum(text == text_of(base, ref) for text, ref in zip(texts, refs)) >= 3

@@ -80,6 +80,10 @@ class PollResult:
 class KVSender(ABC):
     """Prefill side, over the worker's `pools` (their layout is `self.layout`)."""
 
+    # NOTE: a receiver that writes its own pool converts a sender's other KV dtype (`kvbaton.kv.convert`); a
+    # transport whose sender writes into the receiver's memory (mooncake) cannot, and says so here.
+    receiver_converts_dtype = True
+
     def __init__(self, config: ConnectorConfig, pools: KVPools) -> None:
         self.config, self.pools, self.layout = config, pools, pools.layout
 
@@ -90,13 +94,17 @@ class KVSender(ABC):
     def check_begin(self, spec: TransferSpec, begun: Container[str] = ()) -> None:
         """The checks of every begin(): ValueError if `spec.request_id` is in `begun` (transports whose
         messages cannot tell two attempts at a request apart refuse a second; the others pass nothing
-        and supersede the first after this); KVLayoutMismatch if `spec.layout` differs from ours;
-        ValueError if the source and destination lists differ in length, or a source block is outside
-        our pools."""
+        and supersede the first after this); KVLayoutMismatch if `spec.layout` differs from ours in more
+        than a dtype the receiver converts; ValueError if the source and destination lists differ in
+        length, or a source block is outside our pools."""
         src, num_blocks = spec.src_block_ids, self.pools.num_blocks
         if spec.request_id in begun:
             raise ValueError(f"transfer {spec.request_id!r} already begun")
-        self.layout.check_compatible(spec.layout)  # ours first: the message reads prefill vs decode
+        # ours first: the message reads prefill vs decode
+        if self.receiver_converts_dtype:
+            self.layout.check_transferable(spec.layout)
+        else:
+            self.layout.check_compatible(spec.layout)
         if len(src) != len(spec.dst_block_ids):
             raise ValueError(f"{len(src)} source blocks for {len(spec.dst_block_ids)} destinations")
         if src and not (0 <= min(src) and max(src) < num_blocks):

@@ -26,6 +26,8 @@ class _Outgoing:
 
 
 class Sender(KVSender):
+    receiver_converts_dtype = False  # the receiver reads our pool's bytes straight into its own
+
     def __init__(self, config: ConnectorConfig, pools: KVPools) -> None:
         super().__init__(config, pools)
         self._engine = Engine(config.host, pools, config.allow_insecure_transport)

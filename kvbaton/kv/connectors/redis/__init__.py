@@ -40,6 +40,7 @@ class LayerStored(msgspec.Struct, frozen=True, tag=True):
     key: str
     nbytes: int
     sha256: bytes
+    kv_dtype: str  # the sender's KV dtype: a receiver of another converts (kvbaton.kv.convert)
 
 
 class TransferAborted(msgspec.Struct, frozen=True, tag=True):

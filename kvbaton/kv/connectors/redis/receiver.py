@@ -18,6 +18,8 @@ import torch
 from kvbaton.kv.connectors.base import ConnectorConfig, KVReceiver, PollResult
 from kvbaton.kv.connectors.bookkeeping import RequestMemory
 from kvbaton.kv.connectors.redis import KEY_PREFIX, LayerStored, Notice, TransferAborted, client, codec, dst_digest
+from kvbaton.kv.convert import write_blocks
+from kvbaton.kv.layout import ELEMENT_BYTES, KVLayout
 from kvbaton.kv.pools import KVPools
 
 logger = logging.getLogger(__name__)
@@ -113,7 +115,7 @@ class Receiver(KVReceiver):
         inc.transfer_id = n.transfer_id
         error, data = arrival.error, arrival.data
         if error is None and isinstance(n, LayerStored) and data is not None:
-            if data.size == len(inc.dst_index) * self.layout.block_bytes:
+            if data.size == len(inc.dst_index) * self._sender_layout(n).block_bytes:
                 self._store(n, data, inc, completed)
                 return
             error = f"layer {n.layer} has {data.size} bytes, {len(inc.dst_index)} blocks expected"
@@ -123,7 +125,10 @@ class Receiver(KVReceiver):
     def _store(self, n: LayerStored, data: np.ndarray, inc: _Incoming, completed: list[str]) -> None:
         if n.layer in inc.received:
             return
-        if len(inc.dst_index):
+        if n.kv_dtype != self.layout.dtype:
+            write_blocks(self.pools, n.layer, inc.dst_index.tolist(), data.ctypes.data, range(len(inc.dst_index)),
+                         self._sender_layout(n))
+        elif len(inc.dst_index):
             self._rows[n.layer][inc.dst_index] = data.reshape(len(inc.dst_index), -1)
         inc.received.add(n.layer)
         if len(inc.received) == self.layout.num_layers:
@@ -173,11 +178,16 @@ class Receiver(KVReceiver):
         if isinstance(n, TransferAborted):
             return True
         ok = (0 <= n.layer < self.layout.num_layers and n.num_layers == self.layout.num_layers
-              and n.key.startswith(KEY_PREFIX) and n.nbytes % self.layout.block_bytes == 0)
+              and n.kv_dtype in ELEMENT_BYTES and n.key.startswith(KEY_PREFIX)
+              and n.nbytes % self._sender_layout(n).block_bytes == 0)
         if not ok:
             logger.warning("%s: refused a notice for %s (layer %d of %d, %d bytes, key %.60s)",
                            self.config.worker_name, n.request_id, n.layer, n.num_layers, n.nbytes, n.key)
         return ok
+
+    def _sender_layout(self, n: LayerStored) -> KVLayout:
+        """Ours in the sender's dtype (checked plausible first): its blocks, which write_blocks converts."""
+        return self.layout if n.kv_dtype == self.layout.dtype else self.layout.with_dtype(n.kv_dtype)
 
     def _check(self, n: LayerStored, value: bytes | None) -> _Arrival:
         if value is None:

@@ -145,7 +145,7 @@ class Sender(KVSender):
                 data = item.rows.view(torch.uint8).numpy().reshape(-1).data  # memoryview of [n * block_bytes]
                 key = data_key(request_id, t.transfer_id, item.layer)
                 notice = LayerStored(request_id, t.transfer_id, t.dst_digest, item.layer, num_layers, key, data.nbytes,
-                                     hashlib.sha256(data).digest())
+                                     hashlib.sha256(data).digest(), self.layout.dtype)
                 pipe.set(key, data, ex=ttl)
                 writes.append(item)
             pipe.rpush(t.spec.receiver, self._codec.encode(notice))

@@ -14,8 +14,9 @@ from kvbaton.kv.connectors.shm import ShmLayer
 from kvbaton.kv.connectors.shm.segments import Segment, require_shm_dir
 from kvbaton.kv.connectors.zmq import SenderFailed
 from kvbaton.kv.connectors.zmq.receiver import Incoming, ZmqReceiver
+from kvbaton.kv.convert import write_blocks
 from kvbaton.kv.pools import KVPools
-from kvbaton.kv.rows import copy_rows, rows_within
+from kvbaton.kv.rows import rows_within
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +52,10 @@ class Receiver(ZmqReceiver):
 
     def _write_layer(self, msg: ShmLayer, payload: None, st: Incoming) -> None:
         segment = self._segment(msg, st)
-        row_bytes = self.layout.block_bytes
+        row_bytes = msg.layout.block_bytes  # the sender's blocks: write_blocks converts another dtype
         if not 0 <= msg.offset <= segment.size or not rows_within(msg.rows, (segment.size - msg.offset) // row_bytes):
             raise ValueError(f"layer message points outside shared memory segment {msg.segment}")
-        copy_rows(self.pools.address(msg.layer), st.dst_block_ids, segment.address + msg.offset, msg.rows, row_bytes)
+        write_blocks(self.pools, msg.layer, st.dst_block_ids, segment.address + msg.offset, msg.rows, msg.layout)
 
     def _segment(self, msg: ShmLayer, st: Incoming) -> Segment:
         if st.resources is None:  # the sender's pid

@@ -13,8 +13,9 @@ from kvbaton.kv.connectors.base import ConnectorConfig
 from kvbaton.kv.connectors.tcp import TcpLayer, data_key
 from kvbaton.kv.connectors.zmq import SenderFailed
 from kvbaton.kv.connectors.zmq.receiver import Incoming, ZmqReceiver
+from kvbaton.kv.convert import largest_block_bytes, write_blocks
+from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
 from kvbaton.kv.pools import KVPools
-from kvbaton.kv.rows import copy_rows
 
 logger = logging.getLogger(__name__)
 
@@ -28,23 +29,30 @@ class Receiver(ZmqReceiver):
         super().__init__(config, pools)
 
     def max_frame_bytes(self) -> int:
-        """One layer of a request never exceeds one layer of our whole pool."""
-        return max(self.max_header_bytes(), self.num_blocks * self.layout.block_bytes)
+        """One layer of a request never exceeds one layer of our whole pool (in the widest dtype a sender may hold)."""
+        return max(self.max_header_bytes(), self.num_blocks * largest_block_bytes(self.layout))
 
     def _on_frames(self, frames: list[zmq.Frame]) -> tuple[Any, Any] | None:
         header = self._decode_header(frames[0])
         if isinstance(header, SenderFailed) and len(frames) == 1:
             return header, None
         if isinstance(header, TcpLayer) and len(frames) == 2 and self._data_ok(header, frames[1].buffer):
-            return header, frames[1] if header.layout == self.layout else None
+            return header, frames[1] if self._transferable(header.layout) else None
         if header is not None:
             self._refuse(f"a {type(header).__name__} in {len(frames)} parts")
         return None
 
+    def _transferable(self, layout: KVLayout) -> bool:
+        try:
+            layout.check_transferable(self.layout)
+        except KVLayoutMismatch:
+            return False
+        return True
+
     def _data_ok(self, header: TcpLayer, data: memoryview) -> bool:
-        if header.layout != self.layout:  # poll() fails the request with the mismatch; data unused
+        if not self._transferable(header.layout):  # poll() fails the request with the mismatch; data unused
             return True
-        expected = header.num_blocks * self.layout.block_bytes
+        expected = header.num_blocks * header.layout.block_bytes  # the sender's blocks, converted in poll()
         if len(data) != expected:
             self._refuse(f"a data frame of {len(data)} bytes where the header says {expected}")
             return False
@@ -57,6 +65,6 @@ class Receiver(ZmqReceiver):
         logger.warning("%s KV receiver: refused %s", self.config.worker_name, what)
 
     def _write_layer(self, header: TcpLayer, frame: zmq.Frame, st: Incoming) -> None:
-        data = np.frombuffer(frame.buffer, dtype=np.uint8)  # [num_blocks * block_bytes], zmq's memory
-        copy_rows(self.pools.address(header.layer), st.dst_block_ids, data.ctypes.data, range(header.num_blocks),
-                  self.layout.block_bytes)
+        data = np.frombuffer(frame.buffer, dtype=np.uint8)  # [num_blocks * sender's block_bytes], zmq's memory
+        write_blocks(self.pools, header.layer, st.dst_block_ids, data.ctypes.data, range(header.num_blocks),
+                     header.layout)

@@ -106,7 +106,7 @@ class ZmqReceiver(KVReceiver):
             return
         st.ack_to = header.ack_to
         try:
-            header.layout.check_compatible(self.layout)
+            header.layout.check_transferable(self.layout)
             if len(st.dst_block_ids) != header.num_blocks:
                 raise ValueError(f"the sender has {header.num_blocks} blocks, this worker expects "
                                  f"{len(st.dst_block_ids)}")
