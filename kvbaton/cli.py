@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="clients may set a priority in [-N, N] (default 1000000; 0: no client priorities)")
     serve.add_argument("--max-workers", type=int, default=16,
                        help="the most workers the pool may have; POST /admin/workers refuses beyond it")
+    serve.add_argument("--max-kv-session-bytes", type=int, default=2**30,
+                       help="the largest KV session file POST /admin/kv/restore accepts (default: 1 GiB)")
     serve.add_argument("--max-n", type=int, default=16,
                        help="the most choices (n) a request may ask for; more is a 400 (default 16, at most 128)")
     _add_generation_config_arg(serve)
@@ -170,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbaton.client.cli import add_client_parsers
 
     add_client_parsers(sub)
+    from kvbaton.client.kv_sessions import add_kv_parser
+
+    add_kv_parser(sub)
     workers = sub.add_parser("workers", help="list, add or drain the workers of a running `kvbaton serve`")
     workers.add_argument("action", choices=["list", "add", "drain"])
     workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
@@ -246,7 +251,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            api_key=args.api_key, admin_api_key=args.admin_api_key,
                            max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                            max_priority_range=args.max_priority_range, max_workers=args.max_workers,
-                           max_n=args.max_n, generation_config=args.generation_config,
+                           max_n=args.max_n, max_kv_session_bytes=args.max_kv_session_bytes,
+                           generation_config=args.generation_config,
                            deployment=deployment_from_args(args))
     return serve(engine_config_from_args(args), options)
 
@@ -295,6 +301,12 @@ def _workers_request(args: argparse.Namespace, headers: dict[str, str]) -> httpx
     return httpx.post(f"{args.url}/admin/workers/{args.target}/drain", headers=headers, timeout=30)
 
 
+def cmd_kv(args: argparse.Namespace) -> int:
+    from kvbaton.client.kv_sessions import cmd_kv as run
+
+    return run(args)
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     from kvbaton.models.registry import pull_default_model
 
@@ -306,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench,
-                "workers": cmd_workers, "chat": cmd_client, "complete": cmd_client}
+                "workers": cmd_workers, "chat": cmd_client, "complete": cmd_client, "kv": cmd_kv}
     try:
         return handlers[args.command](args)
     except (ConfigError, InvalidRequestError, FileNotFoundError, OSError) as exc:

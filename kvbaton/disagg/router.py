@@ -51,6 +51,7 @@ from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.streams import stream_outputs
 from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.kv.store.session import StoreTarget
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,14 @@ class Router:
 
     def workers_view(self) -> list[dict[str, Any]]:
         return self.pool.view()
+
+    def kv_store_target(self) -> StoreTarget | None:
+        """The KV store the decode workers share (None without one, or before one has joined)."""
+        engine = self.pool.engine_config
+        layouts = [w.layout for w in self.pool.workers.values() if w.role.decodes]
+        if not engine.kv_store.enabled or not layouts:
+            return None
+        return StoreTarget(engine.kv_store, layouts[0], engine.model)
 
     async def check_workers(self, timeout_s: float = 10.0) -> dict[str, IntegrityReport]:
         return await self.pool.check_integrity(timeout_s)

@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,6 +35,7 @@ from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.errors import ApiError, HttpError, http_error
 from kvbaton.server.grammars import GrammarCheck
 from kvbaton.server.guards import ADMIN_PATHS, AdminAccess, BodyLimit, bearer_matches
+from kvbaton.server.kv_sessions import KVSessions, add_kv_session_routes
 from kvbaton.server.metrics import ServerMetrics
 from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -62,10 +63,13 @@ class ServerSettings:
     max_n: int = 16  # choices per request (n); more is a 400
     # the model's recommended sampling settings: the fields a request leaves unset take these
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    max_kv_session_bytes: int = 2**30  # POST /admin/kv/restore's body: a session file
+    # signs KV session files (the deployment's cluster secret; None: sessions are unavailable)
+    kv_session_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.max_request_bytes < 1024:
-            raise ConfigError("max_request_bytes must be >= 1024")
+        if min(self.max_request_bytes, self.max_kv_session_bytes) < 1024:
+            raise ConfigError("max_request_bytes and max_kv_session_bytes must be >= 1024")
         if not 0 <= self.max_priority_range <= INT64_MAX:
             raise ConfigError("max_priority_range must be in [0, 2**63)")
         if self.max_workers < 1:
@@ -83,6 +87,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(settings.served_model_name)
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
         self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
+        self.kv_sessions = KVSessions(client, self.prompts, settings.kv_session_secret)
         self.grammars = GrammarCheck(client.tokenizer, client.info.vocab_size, client.info.eos_token_ids)
         self.generation_defaults = settings.generation_defaults.overrides()
         # NOTE: a --generation-config PATH may name EOS ids the workers (which read the model's own files) do
@@ -251,12 +256,14 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        await server.kv_sessions.close()
         server.prompts.close()
         server.grammars.close()
 
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
+                       path_limits={"/admin/kv/restore": (settings.max_kv_session_bytes, "--max-kv-session-bytes")})
     add_access_checks(app, settings)
     add_error_handlers(app)
 
@@ -301,6 +308,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "compute_path": compute_path, "router": dict(client.counters)}
 
     add_worker_routes(app, client, settings.max_workers)
+    add_kv_session_routes(app, server.kv_sessions)
     add_tokenize_routes(app, server)
     return app
 

@@ -14,6 +14,7 @@ from kvbaton.engine.info import EngineInfo, EngineStats
 from kvbaton.engine.request_output import RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.kv.store.session import StoreTarget
 
 
 class EngineClient(Protocol):
@@ -69,5 +70,9 @@ class EngineClient(Protocol):
     async def wait_for_workers(self, names: list[str], timeout_s: float) -> None: ...
 
     async def drain_worker(self, name: str) -> None: ...
+
+    def kv_store_target(self) -> StoreTarget | None:
+        """The KV store the workers share, for the session endpoints (`/admin/kv/*`); None without one."""
+        ...
 
     async def shutdown(self, timeout_s: float = 10.0) -> None: ...

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,6 +25,8 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvbaton.server.errors import HttpError
+
+EMPTY: Mapping[str, tuple[int, str]] = MappingProxyType({})
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 ADMIN_PATHS = ("/admin", "/workers")
@@ -75,17 +79,19 @@ class BodyLimit:
     up front from Content-Length, else while it is read (the rest is never read). The app gets the
     body already read, so nothing downstream buffers more than the limit."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, path_limits: Mapping[str, tuple[int, str]] = EMPTY) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.path_limits = path_limits  # path -> (its limit, the flag that sets it): e.g. a KV session upload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes, flag = self.path_limits.get(scope["path"], (self.max_bytes, "--max-request-bytes"))
         length = Headers(scope=scope).get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._too_large(scope, send)
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            await self._too_large(scope, send, max_bytes, flag)
             return
         chunks, size, last = [], 0, None
         while True:
@@ -95,17 +101,16 @@ class BodyLimit:
                 break
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
-                await self._too_large(scope, send)
+            if size > max_bytes:
+                await self._too_large(scope, send, max_bytes, flag)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), last, receive), send)
 
-    async def _too_large(self, scope: Scope, send: Send) -> None:
-        error = HttpError(413, f"request body exceeds {self.max_bytes} bytes (--max-request-bytes)",
-                          "RequestTooLargeError")
+    async def _too_large(self, scope: Scope, send: Send, max_bytes: int, flag: str) -> None:
+        error = HttpError(413, f"request body exceeds {max_bytes} bytes ({flag})", "RequestTooLargeError")
         await error.response(headers={"Connection": "close"})(scope, _no_receive, send)
 
 

@@ -18,6 +18,7 @@ from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
 from kvbaton.server.admission import AdmissionLimits
 from kvbaton.server.api import ServerSettings, build_app
+from kvbaton.wire import cluster_secret
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +33,7 @@ class ServeOptions:
     max_priority_range: int = 10**6
     max_workers: int = 16
     max_n: int = 16
+    max_kv_session_bytes: int = 2**30
     generation_config: str = AUTO  # auto | vllm | PATH, as vLLM's --generation-config
     deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
 
@@ -47,7 +49,9 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               bind_host=options.host, admission=AdmissionLimits(options.max_waiting_requests),
                               max_request_bytes=options.max_request_bytes,
                               max_priority_range=options.max_priority_range, max_workers=options.max_workers,
-                              max_n=options.max_n, generation_defaults=defaults)
+                              max_n=options.max_n, generation_defaults=defaults,
+                              max_kv_session_bytes=options.max_kv_session_bytes,
+                              kv_session_secret=cluster_secret())  # the workers' too: deploy is given it
     return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options))
 
 
@@ -60,7 +64,7 @@ async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSet
     # process would die right there, before `deployment.shutdown()` stops the workers (one still loading
     # its model would outlive us). As an exception it unwinds through the `finally` below.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    deployment = await deploy(config, tokenizer, options.deployment)
+    deployment = await deploy(config, tokenizer, options.deployment, secret=settings.kv_session_secret)
     try:
         app = build_app(deployment.router, settings)
         server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",

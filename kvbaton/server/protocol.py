@@ -318,16 +318,20 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
         return self._sampling_params(max_tokens, logprobs, defaults)
 
     def plain_messages(self) -> list[dict]:
-        """Messages as the chat template takes them: role, text, and the tool parts of the history."""
-        out = []
-        for m in self.messages:
-            message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
-            if m.tool_calls:
-                message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
-            if m.tool_call_id is not None:
-                message["tool_call_id"] = m.tool_call_id
-            out.append(message)
-        return out
+        return plain_messages(self.messages)
+
+
+def plain_messages(messages: list[ChatMessage]) -> list[dict]:
+    """Messages as the chat template takes them: role, text, and the tool parts of the history."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
 
 
 class AddWorkerRequest(BaseModel):
@@ -335,6 +339,27 @@ class AddWorkerRequest(BaseModel):
 
     role: Literal["prefill", "decode"]
     timeout_s: float = Field(default=600.0, gt=0.0, le=3600.0, allow_inf_nan=False)
+
+
+class KVSaveRequest(BaseModel):
+    """`POST /admin/kv/save`: whose KV to save: a completion prompt (text or token ids), or a chat's messages so
+    far (rendered without the generation prompt, so the next turn's prompt starts with them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | TokenIds | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KVSaveRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None:
+            _one_prompt(self.prompt)
+        if self.cache_salt is not None:
+            utf8_text(self.cache_salt, "cache_salt")
+        return self
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict:

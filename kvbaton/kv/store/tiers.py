@@ -1,0 +1,32 @@
+"""Opening one tier from a `KVStoreConfig` (no torch: the server's session endpoints open the shared tiers too)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbaton.config import ConfigError, KVStoreConfig
+from kvbaton.kv.store.base import KVTier
+from kvbaton.paths import cache_root
+
+GB = 2**30
+SHARED_TIERS = ("shm", "redis")  # one store every worker (and the server) reaches; a disk tier is one worker's
+
+
+def open_tier(name: str, config: KVStoreConfig, payload_bytes: int) -> KVTier:
+    """Tier `name` of `config`, for blocks of `payload_bytes`. Raises ConfigError for a tier without what it needs."""
+    if name == "shm":
+        from kvbaton.kv.store.shm_tier import ShmTier
+
+        if config.shm_name is None:
+            raise ConfigError("the shm KV tier needs an arena name (--kv-store-shm-name) shared by its workers")
+        return ShmTier(config.shm_name, payload_bytes, int(config.shm_gb * GB), config.ttl_s)
+    if name == "disk":
+        from kvbaton.kv.store.disk_tier import DiskTier
+
+        directory = Path(config.disk_dir) if config.disk_dir else cache_root() / "kv-store"
+        return DiskTier(directory, payload_bytes, int(config.disk_gb * GB), config.ttl_s)
+    from kvbaton.kv.store.redis_tier import RedisTier
+
+    if config.redis_url is None:
+        raise ConfigError("the redis KV tier needs a URL (--kv-store-redis-url; `serve` starts a server without one)")
+    return RedisTier(config.redis_url, payload_bytes, config.ttl_s, capacity_bytes=int(config.redis_gb * GB))
