@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/bench_kv_quant.py --sections attention,capacity
 
 - attention: the C decode-attention kernel over a 4k-token context, 8 requests, reading bf16, int8 and fp8 pools
-  (dequantized in registers); the peer is PyTorch SDPA over the same context as dense bf16 tensors (what HF
-  transformers runs), the roofline is the pool bytes read / this machine's read bandwidth.
+  (quantized: computed over the codes, each row's scale folded into its score or probability); the peer is
+  PyTorch SDPA over the same context as dense bf16 tensors (what HF transformers runs), the roofline is the pool
+  bytes read / this machine's read bandwidth.
 - decode: the engine's decode step (TPOT) with 4 requests at 4k context, per KV dtype.
 - capacity: 4k-token sequences that fit in a 1 GiB pool, per KV dtype.
 - quality: on tests/data/kv_quality_text.txt, perplexity and mean KL of the next-token distributions against

@@ -130,6 +130,186 @@ static void attend_range(const Shape *s, const float *q, const int64_t *blocks, 
     }
 }
 
+/* ---- Quantized K/V (KV_INT8, KV_FP8): computed over the codes, never dequantized.
+ * A row is codes c and a scale s (value = c * s), so q . k = s * (q . c) and p * v = (p * s) * c: the
+ * scales multiply a score and a probability once per token and head, and the codes become fp32 in
+ * registers (exact: int8 by conversion, fp8 through fp16, see vec8.h's fp8_codes_scaled) right before the
+ * FMAs, CODE_LANES at a time, shared by the G query heads of the KV head. That removes the fp32 tiles (a
+ * store and a reload of every element) and the per-element scale multiplies of load_kv_rows.
+ * NOTE: q stays fp32. Integer dot products (VNNI over int8 q codes) would be ~3x fewer instructions for
+ * q . c, but int8 q costs 6e-4..8e-3 in the output (random data), and the kernel must match fp32 attention
+ * over the dequantized pool to 1e-5 (tests/kv/test_kv_quantization.py); a three-level int8 split of q that
+ * would keep that precision needs three dot instructions per 64 codes, as many as the FMAs they save. */
+#define QHEADS 4 /* query heads scored per pass over a tile's codes: their accumulators stay in registers */
+_Static_assert(TILE % CODE_LANES == 0, "a tile is whole code vectors");
+
+static inline cvec codes_to_f32(int f, const uint8_t *p) {
+    return f == KV_INT8 ? int8_codes(p) : fp8_codes_scaled(p);
+}
+
+/* The scales of the tile's n tokens' K and V rows of every KV head, times `unit`, into scales[which][g][t]
+ * (zero past n: padded tokens get a zero score and a zero weight). Gathered once per tile into an array,
+ * and read long after: a vector read right after 16 scalar writes would stall on store forwarding. */
+static void tile_scales(const uint8_t *tile, int64_t token_bytes, int64_t row, int num_kv_heads, int d, int n,
+                        float unit, float (*scales)[TILE]) {
+    for (int r = 0; r < 2 * num_kv_heads; r++) {  /* K rows of every head, then V rows: the slot's order */
+        for (int t = 0; t < n; t++) {
+            memcpy(&scales[r][t], tile + t * token_bytes + r * row + d, sizeof(float));
+            scales[r][t] *= unit;
+        }
+        for (int t = n; t < TILE; t++) scales[r][t] = 0.0f;
+    }
+}
+
+/* acc[h][t0 + j] = qs[h] . c_{t0 + j} for nt consecutive tokens (1 or 4 after inlining) and nh heads: each
+ * chunk of CODE_LANES codes is converted once for all nh heads, each q chunk loaded once for all nt tokens. */
+static inline __attribute__((always_inline)) void dot_codes(int f, const uint8_t *k, int64_t stride, int t0,
+                                                             const int nt, int d, const float *qs, const int nh,
+                                                             cvec (*acc)[TILE]) {
+    cvec a[QHEADS][4];
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < nt; j++) a[h][j] = (cvec){0};
+    for (int i = 0; i < d; i += CODE_LANES) {
+        cvec c[4];
+        for (int j = 0; j < nt; j++) c[j] = codes_to_f32(f, k + (t0 + j) * stride + i);
+        for (int h = 0; h < nh; h++) {
+            const cvec qv = load_cvec(qs + h * d + i);
+            for (int j = 0; j < nt; j++) a[h][j] += qv * c[j];
+        }
+    }
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < nt; j++) acc[h][t0 + j] = a[h][j];
+}
+
+/* dots[h][t] = qs[h] . c_t over the tile's n key rows (codes, `stride` bytes apart), for nh heads (a
+ * constant 1..QHEADS after inlining); the per-token lane sums are done CODE_LANES tokens at a time. */
+static inline __attribute__((always_inline)) void score_codes(int f, const uint8_t *k, int64_t stride, int n,
+                                                               int d, const float *qs, const int nh,
+                                                               float (*dots)[TILE]) {
+    cvec acc[QHEADS][TILE];
+    int t = 0;
+    for (; t + 4 <= n; t += 4) dot_codes(f, k, stride, t, 4, d, qs, nh, acc);
+    for (; t < n; t++) dot_codes(f, k, stride, t, 1, d, qs, nh, acc);
+    for (; t < TILE; t++)
+        for (int h = 0; h < nh; h++) acc[h][t] = (cvec){0};
+    for (int h = 0; h < nh; h++)
+        for (int t0 = 0; t0 < TILE; t0 += CODE_LANES) {
+            const cvec sums = lane_sums(acc[h] + t0);
+            memcpy(dots[h] + t0, &sums, sizeof sums);
+        }
+}
+
+/* acc[h][:] = acc[h][:] * correction[h] + sum_t w[h][t] * c_t over the tile's n value rows, for nh heads:
+ * CODE_LANES dimensions at a time, the nh partial sums in registers across the tokens. */
+static inline __attribute__((always_inline)) void accumulate_codes(int f, const uint8_t *v, int64_t stride, int n,
+                                                                    int d, const float (*w)[TILE], const int nh,
+                                                                    const float *correction, float *acc) {
+    for (int i = 0; i < d; i += CODE_LANES) {
+        cvec a[QHEADS];
+        for (int h = 0; h < nh; h++) a[h] = load_cvec(acc + h * d + i) * correction[h];
+        for (int t = 0; t < n; t++) {
+            const cvec c = codes_to_f32(f, v + t * stride + i);
+            for (int h = 0; h < nh; h++) a[h] += w[h][t] * c;
+        }
+        for (int h = 0; h < nh; h++) memcpy(acc + h * d + i, &a[h], sizeof a[h]);
+    }
+}
+
+/* One tile's online-softmax step for one head, from its n scores: updates the running max and sum, returns
+ * the correction of the running output and writes the probabilities times the V scales (w, zero past n). */
+static inline float softmax_tile(const float *scores, int n, const float *v_scales, float *running_max,
+                                 float *running_sum, float *w) {
+    float block_max = -FLT_MAX;
+#pragma omp simd reduction(max : block_max)
+    for (int t = 0; t < TILE; t++)
+        if (t < n && scores[t] > block_max) block_max = scores[t];
+    float correction = 1.0f;  /* exactly expf(0): skip the call when the max stays, as it mostly does */
+    if (block_max > *running_max) {
+        correction = expf(*running_max - block_max);  /* 0 on the first tile */
+        *running_max = block_max;
+    }
+    const float m = *running_max;
+    float block_sum = 0.0f;
+#pragma omp simd reduction(+ : block_sum)
+    for (int t = 0; t < TILE; t++) {
+        const float p = t < n ? expf(scores[t] - m) : 0.0f;
+        block_sum += p;
+        w[t] = p * v_scales[t];
+    }
+    *running_sum = *running_sum * correction + block_sum;
+    return correction;
+}
+
+/* Scores, softmax step and output update of query heads [h0, h0 + nh) of KV head g over one tile. */
+static inline __attribute__((always_inline)) void attend_tile_quant(const Shape *s, const uint8_t *k,
+                                                                     const uint8_t *v, int64_t stride, int n,
+                                                                     const float *k_scales, const float *v_scales,
+                                                                     const float *qs, int h0, const int nh,
+                                                                     float *acc_out, float *running_max,
+                                                                     float *running_sum) {
+    const int d = s->head_dim;
+    float dots[QHEADS][TILE], w[QHEADS][TILE], correction[QHEADS];
+    score_codes(s->kv_format, k, stride, n, d, qs + h0 * d, nh, dots);
+    for (int h = 0; h < nh; h++) {
+        float scores[TILE];
+#pragma omp simd
+        for (int t = 0; t < TILE; t++) scores[t] = dots[h][t] * k_scales[t];
+        correction[h] = softmax_tile(scores, n, v_scales, running_max + h0 + h, running_sum + h0 + h, w[h]);
+    }
+    accumulate_codes(s->kv_format, v, stride, n, d, (const float (*)[TILE])w, nh, correction, acc_out + h0 * d);
+}
+
+/* attend_range for KV_INT8 / KV_FP8 pools with head_dim a multiple of 16 (same outputs, up to fp32
+ * rounding). Loops over KV heads inside the tile: a tile's rows of all heads are a few KiB, still in L1. */
+static void attend_range_quant(const Shape *s, const float *q, const int64_t *blocks, int64_t start, int64_t end,
+                               float *acc_out, float *max_out, float *sum_out) {
+    const int num_heads = s->num_kv_heads * s->group, d = s->head_dim;
+    const int64_t row = kv_row_bytes(s->kv_format, d), token_bytes = 2 * s->num_kv_heads * row;
+    const float unit = s->kv_format == KV_FP8 ? FP8_SCALED_UNIT : 1.0f;
+    float qs[MAX_HEADS * MAX_HEAD_DIM], scales[2 * MAX_HEADS][TILE];
+    for (int h = 0; h < num_heads; h++) {
+        for (int i = 0; i < d; i++) {
+            qs[h * d + i] = q[h * d + i] * s->scale;
+            acc_out[h * d + i] = 0.0f;
+        }
+        max_out[h] = -FLT_MAX;
+        sum_out[h] = 0.0f;
+    }
+    for (int64_t pos = start; pos < end;) {
+        const int64_t block = blocks[pos / s->block_size];
+        const int offset = (int)(pos % s->block_size);
+        int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
+        if (n > TILE) n = TILE;
+        if (pos + n + PF < end) prefetch_tokens(s, blocks, pos + n + PF, end);
+        const uint8_t *tile = (const uint8_t *)s->kv + (block * s->block_size + offset) * token_bytes;
+        tile_scales(tile, token_bytes, row, s->num_kv_heads, d, n, unit, scales);
+        for (int g = 0; g < s->num_kv_heads; g++) {
+            const uint8_t *k = tile + g * row, *v = tile + (s->num_kv_heads + g) * row;
+            const float *ks = scales[g], *vs = scales[s->num_kv_heads + g];
+            for (int h = g * s->group; h < (g + 1) * s->group; h += QHEADS) {
+                const int nh = (g + 1) * s->group - h;
+                /* constant head counts, so each call inlines with its accumulators in registers */
+                float *acc = acc_out, *m = max_out, *sum = sum_out;
+                if (nh >= 4) attend_tile_quant(s, k, v, token_bytes, n, ks, vs, qs, h, 4, acc, m, sum);
+                else if (nh == 3) attend_tile_quant(s, k, v, token_bytes, n, ks, vs, qs, h, 3, acc, m, sum);
+                else if (nh == 2) attend_tile_quant(s, k, v, token_bytes, n, ks, vs, qs, h, 2, acc, m, sum);
+                else attend_tile_quant(s, k, v, token_bytes, n, ks, vs, qs, h, 1, acc, m, sum);
+            }
+        }
+        pos += n;
+    }
+}
+
+static inline int quant_path(const Shape *s) {
+    return (s->kv_format == KV_INT8 || s->kv_format == KV_FP8) && s->head_dim % 16 == 0;
+}
+
+static void attend(const Shape *s, const float *q, const int64_t *blocks, int64_t start, int64_t end,
+                   float *acc_out, float *max_out, float *sum_out) {
+    if (quant_path(s)) attend_range_quant(s, q, blocks, start, end, acc_out, max_out, sum_out);
+    else attend_range(s, q, blocks, start, end, acc_out, max_out, sum_out);
+}
+
 /* q: [B, H, D] fp32 (the G query heads of a KV head adjacent); out: [B, H, D] fp32;
  * block_tables: [B, max_blocks] int64; context_lens: [B] int64 (each >= 1); allow_split: 0 keeps every
  * request's context in one partition (batch-invariant sums, for deterministic serving).
@@ -172,13 +352,13 @@ int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const fl
         if (parts == 1) {
             float maxes1[MAX_HEADS], sums1[MAX_HEADS];
             float *o = out + b * hd;
-            attend_range(&shape, q + b * hd, blocks, start, end, o, maxes1, sums1);
+            attend(&shape, q + b * hd, blocks, start, end, o, maxes1, sums1);
             for (int h = 0; h < num_heads; h++) {
                 const float inv = 1.0f / sums1[h];
                 for (int i = 0; i < head_dim; i++) o[h * head_dim + i] *= inv;
             }
         } else if (start < end) {
-            attend_range(&shape, q + b * hd, blocks, start, end, acc + item * hd, maxes + item * num_heads,
+            attend(&shape, q + b * hd, blocks, start, end, acc + item * hd, maxes + item * num_heads,
                          sums + item * num_heads);
         } else {
             for (int h = 0; h < num_heads; h++) maxes[item * num_heads + h] = -FLT_MAX, sums[item * num_heads + h] = 0;

@@ -146,4 +146,105 @@ static inline float round_bf16(float f) {
     return r;
 }
 
+/* ---- Code vectors for the quantized-KV decode path (paged_attention.c): `cvec`, CODE_LANES fp32 lanes made
+ * from as many one-byte codes. 16 lanes (one zmm) with AVX-512, else 8 (one AVX2 register, or what the target
+ * has): a 16-lane GCC vector on AVX2 is split into halves whose shuffles GCC lowers poorly (3x slower). */
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+/* Multiply an fp8 row's scale by this before using fp8_codes_scaled's values: they are 2^-8 times the codes. */
+#define FP8_SCALED_UNIT 256.0f
+
+/* Why fp8 goes through fp16: e4m3 is fp16 with the exponent 7 bits lower and 7 mantissa bits cut, so
+ * shifting a code into fp16's bit positions gives its value times 2^-8 (2^(7-15)), subnormals included, and
+ * the hardware's fp16 -> fp32 conversion (F16C, on every AVX2 CPU) does the rest, exactly: three integer ops
+ * and one convert per vector instead of fp8_e4m3_to_f32's bit assembly and select. The bits: sign-extending
+ * the byte to 16 bits and shifting left by 7 puts the sign in bit 15 and exponent + mantissa in bits 13..7;
+ * bit 14 (a copy of the sign) is cleared. NOTE: int8 goes through intrinsics too, because GCC 12 lowers a
+ * vector __builtin_convertvector from int8 element by element; the loops are the portable fallbacks. */
+#if defined(__AVX512F__)
+#define CODE_LANES 16
+typedef float cvec __attribute__((vector_size(64)));
+typedef int32_t cvec_index __attribute__((vector_size(64)));
+
+static inline cvec int8_codes(const uint8_t *p) {
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    cvec f;
+    memcpy(&f, &v, sizeof f);
+    return f;
+}
+
+static inline cvec fp8_codes_scaled(const uint8_t *p) {
+    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)), 7),
+                                       _mm256_set1_epi16((short)0xBFFF));
+    const __m512 v = _mm512_cvtph_ps(h);
+    cvec f;
+    memcpy(&f, &v, sizeof f);
+    return f;
+}
+
+/* The lane sums of 16 vectors as one vector (out[t] = sum of v[t]): pairs folded halves onto halves four
+ * times, 45 shuffles and adds for the 16 sums instead of ~130 for 16 separate horizontal sums. */
+static inline cvec fold_halves(cvec a, cvec b, cvec_index lo, cvec_index hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+static inline cvec lane_sums(const cvec *v) {
+    const cvec_index l1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const cvec_index h1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const cvec_index l2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const cvec_index h2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const cvec_index l3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const cvec_index h3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const cvec_index l4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const cvec_index h4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    cvec a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) a[i] = fold_halves(v[2 * i], v[2 * i + 1], l1, h1);  /* [8 of v0 | 8 of v1] */
+    for (int i = 0; i < 4; i++) b[i] = fold_halves(a[2 * i], a[2 * i + 1], l2, h2);  /* 4 each of v0..v3 */
+    for (int i = 0; i < 2; i++) c[i] = fold_halves(b[2 * i], b[2 * i + 1], l3, h3);  /* 2 each of v0..v7 */
+    return fold_halves(c[0], c[1], l4, h4);
+}
+#else
+#define CODE_LANES 8
+typedef f32x8 cvec;
+
+static inline cvec int8_codes(const uint8_t *p) {
+    cvec f;
+#if defined(__AVX2__)
+    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    memcpy(&f, &v, sizeof f);
+#else
+    for (int i = 0; i < 8; i++) f[i] = (float)(int8_t)p[i];
+#endif
+    return f;
+}
+
+static inline cvec fp8_codes_scaled(const uint8_t *p) {
+    cvec f;
+#if defined(__F16C__) && defined(__SSE4_1__)
+    const __m128i h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                                    _mm_set1_epi16((short)0xBFFF));
+    const __m256 v = _mm256_cvtph_ps(h);
+    memcpy(&f, &v, sizeof f);
+#else
+    for (int i = 0; i < 8; i++) f[i] = fp8_e4m3_to_f32(p[i]) * (1.0f / FP8_SCALED_UNIT);
+#endif
+    return f;
+}
+
+/* The lane sums of 8 vectors as one vector, by dot8's tree. */
+static inline cvec lane_sums(const cvec *v) {
+    const f32x8 lo = hadd(hadd(v[0], v[1]), hadd(v[2], v[3])), hi = hadd(hadd(v[4], v[5]), hadd(v[6], v[7]));
+    return __builtin_shuffle(lo, hi, (i32x8){0, 1, 2, 3, 8, 9, 10, 11})
+           + __builtin_shuffle(lo, hi, (i32x8){4, 5, 6, 7, 12, 13, 14, 15});
+}
+#endif
+
+static inline cvec load_cvec(const float *p) {
+    cvec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
 #endif

@@ -19,6 +19,7 @@ from kvbaton.kernels import (
     paged_prefill_kernel,
     small_batch_linear,
 )
+from kvbaton.kernels.kv_quant import dequantize_rows, quantize_rows
 from kvbaton.kernels.linear import amx_enabled, dot_linear, pack_amx
 from kvbaton.platform.cpu import detect_cpu
 
@@ -62,6 +63,49 @@ def test_paged_decode_matches_fp32_reference(dtype, heads, kv_heads, head_dim, b
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def quantized_pool(storage, slots, kv_heads, head_dim):
+    """Rows of every magnitude quantized as the engine writes them; for fp8, every fifth token's rows are
+    random codes instead (every finite e4m3 value, subnormals included) with a scale of 1/448."""
+    magnitudes = torch.logspace(-3, 1, slots)[torch.randperm(slots)]
+    x = torch.randn(slots, 2, kv_heads, head_dim) * magnitudes[:, None, None, None]
+    pool = quantize_rows(x, storage)
+    if storage == torch.uint8:
+        codes = torch.randint(0, 256, (slots // 5, 2, kv_heads, head_dim), dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # 0x7F / 0xFF are e4m3's NaNs: never written
+        scale = torch.full((slots // 5, 2, kv_heads, 1), 1 / 448).view(torch.uint8)
+        pool[::5][: slots // 5] = torch.cat([codes, scale], dim=-1)
+    return pool
+
+
+@pytest.mark.parametrize("storage", [torch.int8, torch.uint8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 4), (4, 4, 32, 32),
+                                                                (7, 1, 48, 8), (4, 2, 24, 16)])
+@pytest.mark.parametrize("lens", [[1], [1, 16, 17, 300], [700, 5]])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "no-split"])
+def test_paged_decode_over_quantized_kv_matches_dequantized_reference(storage, heads, kv_heads, head_dim,
+                                                                      block_size, lens, split):
+    """int8 / fp8 pools are read as codes (scales folded into scores and probabilities, head_dim a multiple of
+    16; 24 takes the dequantizing path): the output must be fp32 attention over the dequantized pool, up to
+    fp32 rounding. Context lengths not multiples of the 16-token tile or of the block, batch > 1, and both the
+    split (flash-decoding partitions) and the one-partition path."""
+    torch.manual_seed(len(lens) * 11 + head_dim + block_size)
+    nb = -(-max(lens) // block_size)
+    num_blocks = len(lens) * nb + 3
+    pool = quantized_pool(storage, num_blocks * block_size, kv_heads, head_dim)
+    perm = torch.randperm(num_blocks)
+    table = torch.zeros(len(lens), nb, dtype=torch.long)
+    for b, n in enumerate(lens):
+        used = -(-n // block_size)
+        table[b, :used] = perm[b * nb: b * nb + used]
+    q = torch.randn(len(lens), heads, head_dim)
+    kernel = paged_decode_kernel(storage, heads, kv_heads, head_dim, split_context=split)
+    out = kernel(q, pool, table, torch.tensor(lens), block_size, head_dim**-0.5)
+    ref = reference_decode(q, dequantize_rows(pool, torch.float32), table, lens, block_size)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    scale = ref.abs().amax().clamp_min(1e-30)  # rows span 1e-3 .. 10: compare relative to the output's size
+    torch.testing.assert_close(out / scale, ref / scale, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_decode_unsupported_shapes_fall_back():
