@@ -173,6 +173,9 @@ class KVStoreConfig:
     redis_gb: float = 4.0
     ttl_s: float = 3600.0  # no block outlives this in any tier
     write_policy: str = "write-through"  # full blocks as they are computed, or cached blocks when evicted
+    # with other requests running, load a prefix on a background thread (they go on stepping) rather than
+    # inside the step (they wait for it); False: always inside the step
+    background_loads: bool = True
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tiers if t not in STORE_TIERS]

@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 MAX_CONSECUTIVE_STEP_FAILURES = 3
 # A step of this many tokens is mostly prefill: its time per token prices recomputing against loading KV.
 PREFILL_SAMPLE_TOKENS = 64
+# With only background loads in flight, a step waits this long for one to land instead of spinning.
+LOAD_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        on_evict=self.store.save_evicted if write_back and self.store else None)
         self._write_through = self.store is not None and not write_back
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len, self.store)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len, self.store,
+                                   background_loads=config.kv_store.background_loads)
         self.handoff, self.runner = self._build_runner(model, pools, kv_transfer)
         self._consecutive_step_failures = 0
         self._unsaved: list[tuple[BlockHash, int]] = []  # computed blocks the tiers do not have yet
@@ -199,6 +202,8 @@ class EngineCore:
         for req in ready:
             self.scheduler.add_request(req)
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.loading and self.store is not None:
+            self.store.wait_for_load(LOAD_WAIT_S)  # nothing else to run: no busy loop while a prefix loads
         try:
             start = time.perf_counter()
             model_output = self.runner.execute(sched)

@@ -13,25 +13,36 @@ from __future__ import annotations
 import time
 from bisect import insort
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from kvbaton.config import SchedulerConfig
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.outputs import EngineCoreOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvbaton.engine.request import Request, RequestStatus
-from kvbaton.kv.store.base import PrefixStore
+from kvbaton.kv.store.base import LoadPlan, PrefixStore
 
 
 def _order(req: Request) -> tuple[int, float]:
     return (req.priority, req.arrival_time)
 
 
+@dataclass
+class _Loading:
+    """A request whose prefix the store is loading in the background (it takes no step until it lands)."""
+
+    req: Request
+    num_local_blocks: int  # its local prefix-cache hit, before the loaded blocks
+    aborted: bool = False  # finished from outside meanwhile: its blocks are freed once the load ends
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, max_model_len: int,
-                 store: PrefixStore | None = None) -> None:
+                 store: PrefixStore | None = None, background_loads: bool = True) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.store = store  # KV tiers beyond the pool: asked at admission for blocks past the local hit
+        self.background_loads = background_loads
         self.num_store_hit_tokens = 0
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
@@ -41,6 +52,9 @@ class Scheduler:
         # Disaggregation: requests that hold blocks but take no steps.
         self.held: dict[str, Request] = {}  # prefill role: KV being sent, freed by release_held()
         self.receiving: dict[str, Request] = {}  # decode role: KV being received into reserved blocks
+        # The store loading prefixes in the background, by load ticket (and the ticket of each request).
+        self.loading: dict[int, _Loading] = {}
+        self._load_tickets: dict[str, int] = {}
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -55,6 +69,9 @@ class Scheduler:
         for request_id in request_ids:
             if request_id in self.receiving:
                 self.cancel_receive(request_id)
+            if request_id in self._load_tickets:
+                self._abort_load(request_id, status)
+                continue
             req = self.requests.get(request_id)
             if req is None or req.is_finished:
                 continue
@@ -81,7 +98,7 @@ class Scheduler:
         hits, num_hit = self.kv_cache.get_computed_blocks(req)
         if not self.kv_cache.allocate_slots(req, req.num_tokens - num_hit, hits, index_blocks=False):
             return None
-        num_hit += self._load_from_store(req, len(hits), self._plan_store(req, len(hits)))
+        num_hit += self._load_from_store(req, len(hits), self._plan_store(req, len(hits)).num_blocks)
         self.kv_cache.record_lookup(req.num_tokens, num_hit)
         req.num_cached_tokens = num_hit
         req.status = RequestStatus.WAITING_FOR_KV
@@ -106,11 +123,12 @@ class Scheduler:
             self.kv_cache.free(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # ---- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._finish_loads()
         budget = self.config.max_num_batched_tokens
         chosen: dict[str, int] = {}  # request id -> tokens scheduled this step
         preempted: list[Request] = []
@@ -186,10 +204,21 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, budget: int, chosen: dict[str, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits, num_hit = self.kv_cache.get_computed_blocks(req)
-            num_stored = self._plan_store(req, len(hits)) * self.kv_cache.block_size
+            plan = self._plan_store(req, len(hits))
+            num_stored = plan.num_blocks * self.kv_cache.block_size
+            # NOTE: a load that waits on disk or the network goes to the background while others run, so their
+            # streams do not stall for it (a 4k-token prefix from redis: ~0.3 s). A copy from memory (shm), or a
+            # load with no one else to run, happens in the step: on a CPU the loader thread competes with the
+            # step's own threads, which costs the loaded request ~1.5x TTFT (benchmarks/results/kv-store.md).
+            if num_stored and plan.waits_on_io and self.running and self.background_loads:
+                if not self.kv_cache.allocate_slots(req, num_stored, hits, index_blocks=False):
+                    break
+                self.waiting.pop(0)
+                self._start_load(req, len(hits), num_stored // self.kv_cache.block_size)
+                continue
             num_new = req.num_tokens - num_hit - num_stored
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
@@ -212,10 +241,10 @@ class Scheduler:
 
     # ---- the KV store: blocks past the local prefix hit ------------------------------------------
 
-    def _plan_store(self, req: Request, num_local_blocks: int) -> int:
+    def _plan_store(self, req: Request, num_local_blocks: int) -> LoadPlan:
         """Blocks after the local hit worth loading from the store (hashes were extended by the lookup)."""
         if self.store is None or req.sampling_params.prompt_logprobs is not None:
-            return 0
+            return LoadPlan(0)
         max_blocks = (req.num_tokens - 1) // self.kv_cache.block_size  # as the local lookup: one token computed
         return self.store.plan(req.block_hashes[num_local_blocks:max_blocks])
 
@@ -238,6 +267,51 @@ class Scheduler:
             num_new = self._chunk(req.num_tokens - num_cached, budget)
         self.kv_cache.index_computed_blocks(req, num_cached + num_new)
         return num_cached, num_new
+
+    def _start_load(self, req: Request, num_local_blocks: int, num_blocks: int) -> None:
+        assert self.store is not None
+        first = num_local_blocks
+        block_ids = self.kv_cache.block_ids(req.request_id)[first:first + num_blocks]
+        ticket = self.store.start_load(req.block_hashes[first:first + num_blocks], block_ids)
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.loading[ticket] = _Loading(req, num_local_blocks)
+        self._load_tickets[req.request_id] = ticket
+
+    def _finish_loads(self) -> None:
+        """Requests whose background load ended run on: what loaded is cached, the rest is computed."""
+        if not self.loading or self.store is None:
+            return
+        bs = self.kv_cache.block_size
+        for ticket, num_loaded in self.store.finished_loads():
+            st = self.loading.pop(ticket, None)
+            if st is None:
+                continue
+            req = st.req
+            del self._load_tickets[req.request_id]
+            if st.aborted:
+                self.kv_cache.free(req)
+                continue
+            num_cached = (st.num_local_blocks + num_loaded) * bs
+            self.num_store_hit_tokens += num_loaded * bs
+            self.kv_cache.index_computed_blocks(req, num_cached)
+            self.kv_cache.record_lookup(req.num_tokens, num_cached)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+                req.first_scheduled_time = time.monotonic()
+            req.status = RequestStatus.RUNNING
+            insort(self.running, req, key=_order)
+
+    def _abort_load(self, request_id: str, status: RequestStatus) -> None:
+        """Finished from outside while its prefix loads: gone for the caller now, its blocks once the load ends
+        (the loader thread is still writing them)."""
+        st = self.loading[self._load_tickets[request_id]]
+        if st.aborted:
+            return
+        st.aborted = True
+        st.req.status = status
+        self._finished_ids.add(request_id)
+        del self.requests[request_id]
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -302,9 +376,10 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + sum(not st.aborted for st in self.loading.values())
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()
         live = {r.request_id for r in self.running} | set(self.held) | set(self.receiving)
+        live |= {st.req.request_id for st in self.loading.values()}
         assert set(self.kv_cache.req_blocks) <= live, "blocks held by a request that is not running"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvbaton.kv.hashing import BlockHash
 
@@ -49,11 +49,19 @@ class TierStats:
         return self.bytes_read / self.read_seconds if self.read_seconds > 0 else 0.0
 
 
+class LoadPlan(NamedTuple):
+    """What the store offers for a request's blocks past its local hit."""
+
+    num_blocks: int  # how many to load rather than recompute
+    waits_on_io: bool = False  # some of them come from a tier that waits on a device or the network (disk, redis)
+
+
 class KVTier(ABC):
     """One tier. Thread-safe: `put` may return before the bytes land (a tier with a writer thread),
     and everything else may be called from the engine thread while that thread writes."""
 
     name: str
+    in_memory: bool = False  # a load is a copy from memory (shm); else it waits on a device or the network
 
     def __init__(self, payload_bytes: int) -> None:
         self.payload_bytes = payload_bytes  # every block's payload has exactly this many bytes
@@ -94,13 +102,25 @@ class KVTier(ABC):
 class PrefixStore(Protocol):
     """What the scheduler asks of the store at admission (torch-free: only hashes and block ids)."""
 
-    def plan(self, block_hashes: Sequence[BlockHash]) -> int:
+    def plan(self, block_hashes: Sequence[BlockHash]) -> LoadPlan:
         """How many of these blocks (a request's full blocks after its local prefix-cache hit, in
         order) to load rather than recompute: a prefix the tiers hold, cut where loading would be
-        slower than computing."""
+        slower than computing; and whether that load waits on I/O."""
         ...
 
     def load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
         """Load block `block_hashes[i]` into pool block `block_ids[i]`, in order, stopping at the first
         that fails; returns how many loaded. Blocks after that hold garbage: the caller recomputes them."""
+        ...
+
+    def start_load(self, block_hashes: Sequence[BlockHash], block_ids: Sequence[int]) -> int:
+        """`load` in the background; a ticket that `finished_loads` reports with the count loaded."""
+        ...
+
+    def finished_loads(self) -> list[tuple[int, int]]:
+        """(ticket, blocks loaded) of the background loads that ended since the last call."""
+        ...
+
+    def wait_for_load(self, timeout_s: float) -> None:
+        """Block until a background load ends, or `timeout_s` passes."""
         ...

@@ -72,6 +72,7 @@ def _geometry(capacity_bytes: int, payload_bytes: int) -> tuple[int, int, int]:
 
 class ShmTier(KVTier):
     name = "shm"
+    in_memory = True
 
     def __init__(self, name: str, payload_bytes: int, capacity_bytes: int, ttl_s: float) -> None:
         super().__init__(payload_bytes)
