@@ -14,6 +14,13 @@ between without the lock. A writer that dies mid-copy leaves its slot WRITING; a
 a slot is free again. POSIX locks go with their process, so a killed worker never holds one.
 `contains` reads headers without locks: a wrong answer costs a failed load (recomputed), never
 wrong KV, because `get` checks the header again under the lock.
+
+A worker writes a step's blocks through right after it sends the step's outputs, so a request that
+reaches another worker a few milliseconds later (the next request of a conversation, the second of
+a group sharing a system prompt) finds the prefix half written. `contains` then waits, at most
+IN_FLIGHT_WAIT_S, for blocks that another worker is writing at that moment (claimed within the last
+IN_FLIGHT_AGE_S), or that the writer is about to claim (it published the block before just now):
+cheaper than recomputing them, and bounded, so a stalled or dead writer costs that wait once.
 """
 
 from __future__ import annotations
@@ -42,6 +49,10 @@ SHM_DIR = "/dev/shm"
 PAGE = 4096
 WAYS = 16  # 8 ways filled ~60% of an arena of random keys before a set overflowed; 16 go further
 STALE_S = 10.0  # a slot WRITING this long lost its writer
+IN_FLIGHT_WAIT_S = 0.25  # the longest `contains` waits for blocks being written (a 2k-token prefix: ~20-50 ms)
+IN_FLIGHT_AGE_S = 0.05  # a slot claimed (or a block published) this recently has a live writer at work
+IN_FLIGHT_GAP_S = 0.01  # a writer publishes a block and claims the next within this (a descheduled one included)
+POLL_S = 0.0005
 MAGIC = b"KVBSHM01"
 _SUPER = struct.Struct("<8sQQQ")  # magic, payload_bytes, num_sets, ways
 EMPTY, WRITING, READY = 0, 1, 2
@@ -96,11 +107,30 @@ class ShmTier(KVTier):
     # ---- the contract ----------------------------------------------------------------------------
 
     def contains(self, keys: Sequence[bytes]) -> int:
-        now = time.time()
-        for n, key in enumerate(keys):
-            if self._find(self._set_of(key), key, now) is None:
-                return n
-        return len(keys)
+        n, deadline = 0, time.monotonic() + IN_FLIGHT_WAIT_S
+        while n < len(keys):
+            now = time.time()
+            if self._find(self._set_of(keys[n]), keys[n], now) is not None:
+                n += 1
+                continue
+            if time.monotonic() >= deadline or not self._in_flight(keys, n, now):
+                break
+            time.sleep(POLL_S)
+        return n
+
+    def _in_flight(self, keys: Sequence[bytes], n: int, now: float) -> bool:
+        """Is keys[n] being written right now (claimed very recently), or was keys[n - 1] published just now by a
+        writer that is about to claim keys[n]? (Racy reads: a wrong answer costs at most a short wait.)"""
+        row = self._headers[self._set_of(keys[n])]
+        mine = (row["key"] == np.frombuffer(keys[n], np.uint8)).all(axis=1)
+        if ((row["state"] == WRITING) & mine & (now - row["last_access"] < IN_FLIGHT_AGE_S)).any():
+            return True
+        if n == 0:
+            return False
+        prev = self._headers[self._set_of(keys[n - 1])]
+        way = self._find(self._set_of(keys[n - 1]), keys[n - 1], now)
+        # published just now (a publish sets `expires`, a read does not): its writer may be between it and keys[n]
+        return way is not None and now - (prev[way]["expires"] - self.ttl_s) < IN_FLIGHT_GAP_S
 
     def get(self, key: bytes, sink: PayloadSink) -> bool:
         set_index = self._set_of(key)

@@ -187,3 +187,59 @@ def test_a_foreign_file_is_refused(arena_name):
 def test_unsafe_arena_names_are_refused(name):
     with pytest.raises(ValueError, match="shm name"):
         ShmTier(name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+
+
+def _writer(arena_name: str, ids: list[int], fill_s: float) -> subprocess.Popen:
+    """Another process putting blocks `ids` in order, each copy taking `fill_s` (a worker writing a step's blocks)."""
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_shm_tier import ShmTier, key, payload, PAYLOAD
+        t = ShmTier({arena_name!r}, PAYLOAD, 1, ttl_s=60)
+        for n, i in enumerate({ids!r}):
+            t.put(key(i), lambda dst, i=i: (time.sleep({fill_s!r}), dst.__setitem__(slice(None), payload(i))))
+            if n == 0:
+                print("first", flush=True)
+        t.close()
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_contains_waits_for_blocks_another_worker_is_writing(arena_name):
+    """A prefix half written by another process right now is waited for (bounded), not recomputed."""
+    tier = ShmTier(arena_name, PAYLOAD, 256 * PAYLOAD, ttl_s=60)
+    ids = list(range(100, 130))
+    proc = _writer(arena_name, ids, fill_s=0.004)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "first"
+        start = time.monotonic()
+        assert tier.contains([key(i) for i in ids]) == len(ids)  # the other 29 landed while it waited
+        assert time.monotonic() - start < 0.25 + 0.05
+        assert all(get(tier, i) == payload(i) for i in ids)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    tier.close()
+
+
+def test_a_writer_killed_mid_copy_costs_a_short_wait_once(arena_name):
+    tier = ShmTier(arena_name, PAYLOAD, 64 * PAYLOAD, ttl_s=60)
+    proc = _writer(arena_name, [7, 8], fill_s=60.0)  # claims 7, then sleeps inside its copy
+    try:
+        deadline = time.monotonic() + 30
+        while not (tier._headers["state"] == WRITING).any():  # bounded: until the writer has claimed its slot
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.01)
+        proc.kill()
+        proc.wait(timeout=10)
+        time.sleep(0.06)  # past IN_FLIGHT_AGE_S: the dead writer's slot no longer counts as in flight
+        start = time.monotonic()
+        assert tier.contains([key(7), key(8)]) == 0
+        assert time.monotonic() - start < 0.01
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    tier.close()
