@@ -94,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     rng = random.Random(seed)
     doc: dict = {"cpu": cpu_name(), "cores": os.cpu_count(), "seed": seed, "command": " ".join(sys.argv),
-                 "vllm_version": peers.vllm_version(), "workload": vars(args) | {"peer_dir": None, "peer_scripts": None}}
-    print(f"CPU {doc['cpu']} ({doc['cores']} cores), vLLM {doc["vllm_version"]}, seed {seed}", flush=True)
+                 "vllm_version": peers.vllm_version(),
+                 "workload": vars(args) | {"peer_dir": None, "peer_scripts": None}}
+    print(f"CPU {doc['cpu']} ({doc['cores']} cores), vLLM {doc['vllm_version']}, seed {seed}", flush=True)
     log_dir = Path(tempfile.mkdtemp(prefix="kvbaton-kv-store-serve-"))  # the kvbaton servers' logs
     print(f"server logs: {log_dir}", flush=True)
     replicas = ["--model", model_dir, "--served-model-name", MODEL_NAME, "--dtype", "bfloat16", "--decode", "2",
