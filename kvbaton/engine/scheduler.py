@@ -228,13 +228,7 @@ class Scheduler:
             self.waiting.pop(0)
             if num_stored:
                 num_hit, num_new = self._admit_from_store(req, len(hits), num_stored, num_new, budget)
-            self.kv_cache.record_lookup(req.num_tokens, num_hit)
-            req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            insort(self.running, req, key=_order)
+            self._start_running(req, num_hit)
             chosen[req.request_id] = num_new
             budget -= num_new
         return budget
@@ -268,6 +262,16 @@ class Scheduler:
         self.kv_cache.index_computed_blocks(req, num_cached + num_new)
         return num_cached, num_new
 
+    def _start_running(self, req: Request, num_cached: int) -> None:
+        """`req` joins the running requests with its first `num_cached` tokens' KV in its blocks."""
+        self.kv_cache.record_lookup(req.num_tokens, num_cached)
+        req.num_computed_tokens = num_cached
+        if req.num_cached_tokens < 0:  # first admission (a preempted request keeps its first figures)
+            req.num_cached_tokens = num_cached
+            req.first_scheduled_time = time.monotonic()
+        req.status = RequestStatus.RUNNING
+        insort(self.running, req, key=_order)
+
     def _start_load(self, req: Request, num_local_blocks: int, num_blocks: int) -> None:
         assert self.store is not None
         first = num_local_blocks
@@ -294,13 +298,7 @@ class Scheduler:
             num_cached = (st.num_local_blocks + num_loaded) * bs
             self.num_store_hit_tokens += num_loaded * bs
             self.kv_cache.index_computed_blocks(req, num_cached)
-            self.kv_cache.record_lookup(req.num_tokens, num_cached)
-            req.num_computed_tokens = num_cached
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-                req.first_scheduled_time = time.monotonic()
-            req.status = RequestStatus.RUNNING
-            insort(self.running, req, key=_order)
+            self._start_running(req, num_cached)
 
     def _abort_load(self, request_id: str, status: RequestStatus) -> None:
         """Finished from outside while its prefix loads: gone for the caller now, its blocks once the load ends

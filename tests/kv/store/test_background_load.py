@@ -44,6 +44,14 @@ def engine(store: KVStoreConfig) -> LLM:
     return LLM(dtype="float32", kv_store=store, num_blocks=160, block_size=BLOCK)
 
 
+def computed_elsewhere(store: KVStoreConfig, prompt: list[int]) -> None:
+    """Another engine computes `prompt` (its blocks go into the store) and stops."""
+    a = engine(store)
+    a.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1))
+    a.engine.core.store.flush()
+    a.engine.core.close()
+
+
 def stepped(outputs, request_id: str) -> int:
     """1 if this step gave `request_id` a token (an output), else 0."""
     return sum(o.request_id == request_id for o in outputs)
@@ -52,10 +60,7 @@ def stepped(outputs, request_id: str) -> int:
 def test_a_store_hit_loads_in_the_background_while_others_decode(store, default_model_dir):
     long, stream = prompt_of(600, seed=1), prompt_of(30, seed=2)
     ref = hf_greedy(default_model_dir, [long], MAX_NEW)[0]
-    a = engine(store)
-    a.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=1))  # into the arena
-    a.engine.core.store.flush()
-    a.engine.core.close()
+    computed_elsewhere(store, long)
 
     b = engine(store).engine
     greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -89,10 +94,7 @@ def test_a_store_hit_loads_in_the_background_while_others_decode(store, default_
 
 def test_a_request_aborted_while_its_prefix_loads_frees_its_blocks_after(store):
     long, stream = prompt_of(600, seed=3), prompt_of(30, seed=4)
-    a = engine(store)
-    a.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=1))
-    a.engine.core.store.flush()
-    a.engine.core.close()
+    computed_elsewhere(store, long)
 
     b = engine(store).engine
     b.add_request("stream", {"prompt_token_ids": stream}, SamplingParams(temperature=0, max_tokens=40,
@@ -117,9 +119,7 @@ def test_a_request_aborted_while_its_prefix_loads_frees_its_blocks_after(store):
 
 def test_a_copy_from_shared_memory_stays_in_the_step(arena):
     long, stream = prompt_of(200, seed=5), prompt_of(30, seed=6)
-    a = engine(arena)
-    a.generate([{"prompt_token_ids": long}], SamplingParams(temperature=0, max_tokens=1))
-    a.engine.core.close()
+    computed_elsewhere(arena, long)
     b = engine(arena).engine
     b.add_request("stream", {"prompt_token_ids": stream}, SamplingParams(temperature=0, max_tokens=8))
     b.step()
