@@ -55,7 +55,7 @@ def _add_kv_store_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("KV store (tiers beyond each worker's pool, shared across workers and restarts)")
     g.add_argument("--kv-store", default="", metavar="TIERS",
                    help="comma-separated tiers among shm (node shared memory), disk (block files), redis "
-                        "(cluster); default: none")
+                        "(cluster), mooncake (a Mooncake Store: the other cluster tier); default: none")
     g.add_argument("--kv-store-shm-name", default=None,
                    help="the shm arena's name: workers (and servers) naming the same one share it (serve: one per "
                         "server, removed when it stops)")
@@ -66,6 +66,10 @@ def _add_kv_store_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-store-redis-url", default=os.environ.get("KVBATON_KV_STORE_REDIS_URL"),
                    help="default: $KVBATON_KV_STORE_REDIS_URL; serve without one starts a private, LRU redis-server")
     g.add_argument("--kv-store-redis-gb", type=float, default=4.0, help="the private redis-server's maxmemory")
+    g.add_argument("--kv-store-mooncake-master", default=None,
+                   help="host:port of a Mooncake Store master; serve without one starts a private store")
+    g.add_argument("--kv-store-mooncake-metadata", default=None, help="that store's HTTP metadata server URL")
+    g.add_argument("--kv-store-mooncake-gb", type=float, default=4.0, help="the private Mooncake Store's memory")
     g.add_argument("--kv-store-ttl", type=float, default=3600.0, help="seconds a block may live in any tier")
     g.add_argument("--kv-store-write-policy", default="write-through", choices=list(WRITE_POLICIES),
                    help="write-through: full blocks as computed; write-back: cached blocks when evicted")
@@ -76,6 +80,8 @@ def kv_store_config_from_args(args: argparse.Namespace) -> KVStoreConfig:
                          shm_name=args.kv_store_shm_name, shm_gb=args.kv_store_shm_gb,
                          disk_dir=args.kv_store_disk_dir, disk_gb=args.kv_store_disk_gb,
                          redis_url=args.kv_store_redis_url, redis_gb=args.kv_store_redis_gb, ttl_s=args.kv_store_ttl,
+                         mooncake_master=args.kv_store_mooncake_master,
+                         mooncake_metadata_url=args.kv_store_mooncake_metadata, mooncake_gb=args.kv_store_mooncake_gb,
                          write_policy=args.kv_store_write_policy)
 
 

@@ -152,7 +152,7 @@ class CacheConfig:
 
 
 WRITE_POLICIES = ("write-through", "write-back")
-STORE_TIERS = ("shm", "disk", "redis")  # fastest first: the order a lookup asks them in
+STORE_TIERS = ("shm", "disk", "redis", "mooncake")  # fastest first: the order a lookup asks them in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,6 +162,7 @@ class KVStoreConfig:
     shm: node-local shared memory, one named arena every worker on the host maps (L2).
     disk: a directory of checksummed block files, bounded, kept across restarts (L3); one per worker.
     redis: a cluster-wide Redis, every block under the TTL (L4).
+    mooncake: a Mooncake Store (a cluster-wide memory pool), the alternative L4.
     """
 
     tiers: tuple[str, ...] = ()
@@ -171,6 +172,9 @@ class KVStoreConfig:
     disk_gb: float = 4.0
     redis_url: str | None = None  # serve: None starts a private redis-server of `redis_gb`, LRU
     redis_gb: float = 4.0
+    mooncake_master: str | None = None  # host:port of its master; serve: None starts a private store of `mooncake_gb`
+    mooncake_metadata_url: str | None = None  # its HTTP metadata server (the private store's master runs one)
+    mooncake_gb: float = 4.0
     ttl_s: float = 3600.0  # no block outlives this in any tier
     write_policy: str = "write-through"  # full blocks as they are computed, or cached blocks when evicted
     # with other requests running, load a prefix on a background thread (they go on stepping) rather than
@@ -185,7 +189,7 @@ class KVStoreConfig:
         if self.write_policy not in WRITE_POLICIES:
             raise ConfigError(f"KV store write policy must be one of {', '.join(WRITE_POLICIES)}, "
                               f"not {self.write_policy!r}")
-        if min(self.shm_gb, self.disk_gb, self.redis_gb, self.ttl_s) <= 0:
+        if min(self.shm_gb, self.disk_gb, self.redis_gb, self.mooncake_gb, self.ttl_s) <= 0:
             raise ConfigError("KV store sizes and TTL must be positive")
 
     @property

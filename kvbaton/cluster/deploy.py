@@ -98,7 +98,8 @@ def run_cleanups(cleanups: list[Callable[[], None]]) -> None:
 
 def resolve_kv_store(engine: EngineConfig, cleanups: list[Callable[[], None]]) -> EngineConfig:
     """Give the KV store what its workers share and `serve` provides: an shm arena named for this server
-    (removed when it stops) and a private, LRU redis-server when no URL was given."""
+    (removed when it stops), a private, LRU redis-server when no URL was given, and a private Mooncake Store
+    when no master was given."""
     store = engine.kv_store
     if "shm" in store.tiers and store.shm_name is None:
         from kvbaton.kv.store.shm_tier import remove_arenas
@@ -112,6 +113,12 @@ def resolve_kv_store(engine: EngineConfig, cleanups: list[Callable[[], None]]) -
         server = start_redis_server(maxmemory_mb=max(1, int(store.redis_gb * 1024)), maxmemory_policy="allkeys-lru")
         cleanups.append(server.stop)
         store = dataclasses.replace(store, redis_url=server.url)
+    if "mooncake" in store.tiers and store.mooncake_master is None:
+        from kvbaton.kv.store.mooncake_store import start_mooncake_store
+
+        mooncake = start_mooncake_store(max(1, int(store.mooncake_gb * 2**30)))
+        cleanups.append(mooncake.stop)
+        store = dataclasses.replace(store, mooncake_master=mooncake.master, mooncake_metadata_url=mooncake.metadata_url)
     return engine if store is engine.kv_store else dataclasses.replace(engine, kv_store=store)
 
 

@@ -40,7 +40,7 @@ def arenas_of(pid: int) -> list[str]:
     return glob.glob(f"/dev/shm/kvb-store-serve-{pid}-*")
 
 
-@pytest.mark.parametrize("tier", ["shm", "redis"])
+@pytest.mark.parametrize("tier", ["shm", "redis", "mooncake"])
 def test_two_replicas_share_a_prefix_through_the_store(tier, default_model_dir):
     prompt = prompt_of(200, seed=hash(tier) % 1000)
     ref = hf_greedy(default_model_dir, [prompt], MAX_NEW)[0]

@@ -9,7 +9,8 @@ from kvbaton.kv.store.base import KVTier
 from kvbaton.paths import cache_root
 
 GB = 2**30
-SHARED_TIERS = ("shm", "redis")  # one store every worker (and the server) reaches; a disk tier is one worker's
+# one store every worker (and the server) reaches; a disk tier is one worker's
+SHARED_TIERS = ("shm", "redis", "mooncake")
 
 
 def open_tier(name: str, config: KVStoreConfig, payload_bytes: int) -> KVTier:
@@ -25,6 +26,14 @@ def open_tier(name: str, config: KVStoreConfig, payload_bytes: int) -> KVTier:
 
         directory = Path(config.disk_dir) if config.disk_dir else cache_root() / "kv-store"
         return DiskTier(directory, payload_bytes, int(config.disk_gb * GB), config.ttl_s)
+    if name == "mooncake":
+        from kvbaton.kv.store.mooncake_tier import MooncakeTier
+
+        if config.mooncake_master is None or config.mooncake_metadata_url is None:
+            raise ConfigError("the mooncake KV tier needs its master and metadata server (--kv-store-mooncake-master, "
+                              "--kv-store-mooncake-metadata; `serve` starts a private store without them)")
+        return MooncakeTier(config.mooncake_master, config.mooncake_metadata_url, payload_bytes, config.ttl_s,
+                            capacity_bytes=int(config.mooncake_gb * GB))
     from kvbaton.kv.store.redis_tier import RedisTier
 
     if config.redis_url is None:

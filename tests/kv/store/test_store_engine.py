@@ -134,3 +134,23 @@ def test_a_dead_or_stalled_redis_costs_recomputation_only(fault, prompts, refere
         if fault == "stalled":
             os.kill(server.pid, signal.SIGCONT)
         server.stop()
+
+
+def test_a_prefix_reaches_another_engine_through_a_mooncake_store(prompts, references):
+    """The alternative cluster tier: a private Mooncake Store (its master, and the process holding its memory)."""
+    from kvbaton.kv.store.mooncake_store import start_mooncake_store
+
+    with start_mooncake_store(256 * 2**20) as mooncake:
+        store = KVStoreConfig(tiers=("mooncake",), mooncake_master=mooncake.master,
+                              mooncake_metadata_url=mooncake.metadata_url, mooncake_gb=0.25)
+        a = engine(store)
+        outs_a, _ = run(a, prompts[:1])
+        check_and_close(a)  # A has gone: its blocks stay, in the store's own process
+        b = engine(store)
+        outs_b, cached_b = run(b, prompts)
+        assert outs_a == references[:1] and outs_b == references
+        assert cached_b[0] == full_blocks(prompts[0])
+        [tier] = b.engine.core.store.stats()
+        assert tier.name == "mooncake" and tier.hits >= full_blocks(prompts[0]) // BLOCK
+        assert tier.corrupt == tier.errors == 0
+        check_and_close(b)
