@@ -9,23 +9,23 @@ carries it, so hand the URL to workers the way the cluster secret goes (environm
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbaton.kv.processes import die_with_parent as term_with_parent
+from kvbaton.kv.processes import free_port, log_tail
+
 logger = logging.getLogger(__name__)
 
 _CHILDREN: dict[int, subprocess.Popen] = {}  # pid -> handle, so stop() can reap what start() spawned
-_PR_SET_PDEATHSIG = 1
 _MAXMEMORY_POLICIES = ("noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random", "volatile-lru", "volatile-lfu",
                        "volatile-random", "volatile-ttl")
 
@@ -77,7 +77,7 @@ def start_redis_server(host: str = "127.0.0.1", maxmemory_mb: int | None = None,
     errors = []
     for _ in range(3):  # NOTE: the free port can be taken between probe and bind; then try another
         try:
-            return _start_once(binary, host, _free_port(host), maxmemory_mb, startup_timeout_s, die_with_parent,
+            return _start_once(binary, host, free_port(host), maxmemory_mb, startup_timeout_s, die_with_parent,
                                maxmemory_policy)
         except RedisServerError as exc:
             errors.append(str(exc))
@@ -118,7 +118,7 @@ def _start_once(binary: str, host: str, port: int, maxmemory_mb: int | None, sta
     if maxmemory_mb:
         lines += [f"maxmemory {maxmemory_mb}mb", f"maxmemory-policy {maxmemory_policy}"]  # default: never drop KV
     proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, preexec_fn=_die_with_parent if die_with_parent else None)
+                            start_new_session=True, preexec_fn=term_with_parent if die_with_parent else None)
     assert proc.stdin is not None  # stdin=PIPE
     proc.stdin.write(("\n".join(lines) + "\n").encode())
     proc.stdin.close()
@@ -142,33 +142,12 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout_s: float) -
     try:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RedisServerError(f"exited with code {proc.returncode}: {_tail(log)}")
+                raise RedisServerError(f"exited with code {proc.returncode}: {log_tail(log)}")
             try:
                 if client.ping():
                     return
             except redis.ConnectionError:
                 time.sleep(0.05)
-        raise RedisServerError(f"no answer within {timeout_s:.0f} s: {_tail(log)}")
+        raise RedisServerError(f"no answer within {timeout_s:.0f} s: {log_tail(log)}")
     finally:
         client.close()
-
-
-def _tail(log: Path) -> str:
-    try:
-        return " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-    except OSError:
-        return "(no log)"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass  # not Linux: the caller's stop() is then the only way down

@@ -9,7 +9,6 @@ SIGTERM if the thread that started them exits (Linux PR_SET_PDEATHSIG), and `sto
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -22,9 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from kvbaton.kv.processes import die_with_parent, free_port, log_tail
 
-_PR_SET_PDEATHSIG = 1
+logger = logging.getLogger(__name__)
 
 
 class MooncakeStoreError(RuntimeError):
@@ -63,7 +62,7 @@ def start_mooncake_store(capacity_bytes: int, host: str = "127.0.0.1",
         raise MooncakeStoreError("the Mooncake Store binaries (mooncake_master, mooncake_client) are not installed: "
                                  "they come with the mooncake-transfer-engine wheel")
     workdir = tempfile.mkdtemp(prefix="kvbaton-mooncake-")
-    rpc, http, metrics, client_port = (_free_port(host) for _ in range(4))
+    rpc, http, metrics, client_port = (free_port(host) for _ in range(4))
     master, metadata_url = f"{host}:{rpc}", f"http://{host}:{http}/metadata"
     pids: list[int] = []
     try:
@@ -90,7 +89,7 @@ _CHILDREN: dict[int, subprocess.Popen] = {}
 def _spawn(cmd: list[str], log: Path) -> int:
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_die_with_parent)
+                                start_new_session=True, preexec_fn=die_with_parent)
     _CHILDREN[proc.pid] = proc
     return proc.pid
 
@@ -104,9 +103,9 @@ def _wait_port(host: str, port: int, timeout_s: float, log: Path, pid: int) -> N
             if sock.connect_ex((host, port)) == 0:
                 return
         if _CHILDREN[pid].poll() is not None:
-            raise MooncakeStoreError(f"{log.stem} exited with code {_CHILDREN[pid].returncode}: {_tail(log)}")
+            raise MooncakeStoreError(f"{log.stem} exited with code {_CHILDREN[pid].returncode}: {log_tail(log)}")
         time.sleep(0.05)
-    raise MooncakeStoreError(f"nothing listened on {host}:{port} within {timeout_s:.0f} s: {_tail(log)}")
+    raise MooncakeStoreError(f"nothing listened on {host}:{port} within {timeout_s:.0f} s: {log_tail(log)}")
 
 
 def _stop(pid: int, timeout_s: float) -> None:
@@ -122,24 +121,3 @@ def _stop(pid: int, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout_s)
-
-
-def _tail(log: Path) -> str:
-    try:
-        return " / ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
-    except OSError:
-        return "(no log)"
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """Runs in the child between fork and exec."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
