@@ -53,6 +53,7 @@ class MooncakeTier(KVTier):
         self._down_until = 0.0
         self._caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-mooncake-tier")
         self._pending: Any = None  # the last call's future: one still running means the store is stuck
+        self._call_lock = threading.Lock()
         self._client = MooncakeDistributedStore()
         # NOTE: a global segment of 0: the blocks live in the store's own process, not in this worker's memory
         rc = self._client.setup(host, metadata_url, 0, max(TRANSFER_BUFFER_BYTES, 4 * self._record_bytes), "tcp", "",
@@ -129,14 +130,20 @@ class MooncakeTier(KVTier):
         return int(self._client.put(name, record))
 
     def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on the tier's thread, given up after CALL_TIMEOUT_S (TimeoutError)."""
-        if self._pending is not None and not self._pending.done():
-            raise TimeoutError("an earlier call to the store has not returned")
-        self._pending = self._caller.submit(fn, *args)
+        """`fn(*args)` on the tier's thread, given up after CALL_TIMEOUT_S (TimeoutError). Callers on several
+        threads (the engine's saves, the loader's gets) take turns; a call still stuck fails the next at once."""
+        if not self._call_lock.acquire(timeout=CALL_TIMEOUT_S):
+            raise TimeoutError("the store is busy with other calls")
         try:
-            return self._pending.result(timeout=CALL_TIMEOUT_S)
-        except CallTimeout:
-            raise TimeoutError(f"no answer within {CALL_TIMEOUT_S} s") from None
+            if self._pending is not None and not self._pending.done():
+                raise TimeoutError("an earlier call to the store has not returned")
+            self._pending = self._caller.submit(fn, *args)
+            try:
+                return self._pending.result(timeout=CALL_TIMEOUT_S)
+            except CallTimeout:
+                raise TimeoutError(f"no answer within {CALL_TIMEOUT_S} s") from None
+        finally:
+            self._call_lock.release()
 
     def stats(self) -> TierStats:
         with self._lock:

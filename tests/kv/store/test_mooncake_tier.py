@@ -95,3 +95,28 @@ def test_a_killed_store_costs_misses_and_opens_the_breaker(store):
     assert time.monotonic() - start < 3.0  # bounded: a call given up after 0.5 s, then the breaker skips the tier
     assert tier.stats().errors >= 1
     tier.close()
+
+
+def test_calls_from_several_threads_take_turns(store):
+    """The engine thread saves while the loader thread reads: no call fails for the other's sake."""
+    import threading
+
+    tier = tier_of(store)
+    assert all(put(tier, i) for i in range(16))
+    failures: list[str] = []
+
+    def reader() -> None:
+        for _ in range(5):
+            failures.extend(f"get {i}" for i in range(16) if get(tier, i) != payload(i))
+
+    def writer() -> None:
+        for n in range(5):
+            failures.extend(f"put {i}" for i in range(100 + 16 * n, 116 + 16 * n) if not put(tier, i))
+
+    threads = [threading.Thread(target=reader), threading.Thread(target=writer)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not failures and tier.stats().errors == 0
+    tier.close()
