@@ -40,6 +40,13 @@ def keys_of_set(tier: ShmTier, set_index: int, count: int) -> list[int]:
     return found[:count]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Kill a helper process the test started, if it still runs (every exit path of a test)."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture
 def arena_name(request) -> str:
     name = f"test-{os.getpid()}-{request.node.name[:40]}".replace("[", "_").replace("]", "_")
@@ -168,9 +175,7 @@ def test_a_process_killed_while_reading_holds_no_lock(arena_name):
         assert put(tier, 3)  # needs the set's lock exclusively
         assert time.monotonic() - start < 1.0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
     tier.close()
 
 
@@ -218,9 +223,7 @@ def test_contains_waits_for_blocks_another_worker_is_writing(arena_name):
         assert all(get(tier, i) == payload(i) for i in ids)
         assert proc.wait(timeout=30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
     tier.close()
 
 
@@ -239,7 +242,5 @@ def test_a_writer_killed_mid_copy_costs_a_short_wait_once(arena_name):
         assert tier.contains([key(7), key(8)]) == 0
         assert time.monotonic() - start < 0.01
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
     tier.close()
