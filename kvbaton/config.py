@@ -6,6 +6,7 @@ or from user arguments) and never mutated afterwards.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,14 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1 and Kimi-K2 checkpoints name this class
 }
+_QWEN_LIKE = ("qwen2", "qwen2_moe")  # q/k/v projections carry a bias
+_PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
 
 
 class ConfigError(ValueError):
@@ -33,10 +41,65 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Sparse experts: a router picks `top_k` of `num_experts` per token; MoE layers replace the dense MLP.
+
+    softmax scoring (Mixtral, Qwen-MoE, OLMoE): top-k of the softmax over all experts, renormalized over the
+    k when `norm_topk_prob`. sigmoid scoring (DeepSeek-V3, Kimi-K2): sigmoid scores, plus
+    `e_score_correction_bias` for the choice only; experts come from the `topk_groups` best of `num_groups`
+    groups (a group's score: its two best experts); weights renormalized, then times `routed_scaling_factor`.
+    """
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = True
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False  # a learned per-expert bias added to scores for the choice
+    shared_intermediate_size: int = 0  # always-on shared expert(s) (0: none)
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(gate(x))
+    dense_layers: frozenset[int] = frozenset()  # layers that keep a dense MLP of the model's intermediate_size
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], not {self.top_k}")
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"unsupported MoE scoring function {self.scoring!r}; supported: softmax, sigmoid")
+        if self.num_experts % self.num_groups or not 1 <= self.topk_groups <= self.num_groups:
+            raise ConfigError(f"n_group={self.num_groups} must divide the {self.num_experts} experts and "
+                              f"topk_group={self.topk_groups} be in [1, n_group]")
+        if self.top_k > self.topk_groups * (self.num_experts // self.num_groups):
+            raise ConfigError("num_experts_per_tok exceeds the experts of the topk_group chosen groups")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the cache holds, per token, the compressed latent
+    `c_kv` [kv_lora_rank] and the decoupled RoPE key [qk_rope_head_dim], shared by every head."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q is projected from the hidden state directly
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # DeepSeek's checkpoints rotate interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer, as read from an HF `config.json`."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,7 +112,11 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False  # Qwen2: q/k/v projections carry a bias
-    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE; OLMoE: over all heads at once
+    qk_norm_per_head: bool = True
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip, clip]
+    moe: MoEConfig | None = None
+    mla: MLAConfig | None = None
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -92,8 +159,12 @@ class ModelConfig:
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
             rope_scaling=_parse_rope_scaling(text.get("rope_scaling") or rope_params),
-            attention_bias=arch == "qwen2" or bool(text.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            attention_bias=arch in _QWEN_LIKE or bool(text.get("attention_bias", False)),
+            qk_norm=arch in _PER_HEAD_QK_NORM or arch == "olmoe",
+            qk_norm_per_head=arch != "olmoe",
+            clip_qkv=float(text["clip_qkv"]) if text.get("clip_qkv") is not None else None,
+            moe=_parse_moe(arch, text),
+            mla=_parse_mla(text) if arch == "deepseek_v3" else None,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=eos_ids,
@@ -108,6 +179,46 @@ class ModelConfig:
             return cls.from_hf_dict(json.loads(path.read_text()))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: missing or invalid field {exc}") from exc
+
+
+def _parse_moe(arch: str, text: dict) -> MoEConfig | None:
+    """The MoE fields of an HF config, spelled differently by each family."""
+    num_experts = text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts")
+    if not num_experts:
+        return None
+    layers = text["num_hidden_layers"]
+    moe = functools.partial(MoEConfig, num_experts=int(num_experts), top_k=int(text["num_experts_per_tok"]))
+    if arch == "mixtral":
+        return moe(intermediate_size=text["intermediate_size"])
+    if arch == "olmoe":
+        return moe(intermediate_size=text["intermediate_size"],
+                         norm_topk_prob=bool(text.get("norm_topk_prob", False)))
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        step = int(text.get("decoder_sparse_step", 1) or 1)
+        only_mlp = set(text.get("mlp_only_layers") or [])
+        dense = frozenset(i for i in range(layers) if i in only_mlp or (i + 1) % step)
+        shared = int(text.get("shared_expert_intermediate_size", 0) or 0)
+        return moe(intermediate_size=text["moe_intermediate_size"],
+                         norm_topk_prob=bool(text.get("norm_topk_prob", False)), shared_intermediate_size=shared,
+                         shared_expert_gate=shared > 0, dense_layers=dense)
+    if arch == "deepseek_v3":
+        first_dense, freq = int(text.get("first_k_dense_replace", 0)), int(text.get("moe_layer_freq", 1) or 1)
+        dense = frozenset(i for i in range(layers) if i < first_dense or i % freq)
+        expert_size = text["moe_intermediate_size"]
+        return moe(intermediate_size=expert_size, scoring="sigmoid",
+                         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+                         num_groups=int(text.get("n_group") or 1), topk_groups=int(text.get("topk_group") or 1),
+                         routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+                         score_correction_bias=True,
+                         shared_intermediate_size=expert_size * int(text.get("n_shared_experts") or 0),
+                         dense_layers=dense)
+    raise ConfigError(f"{arch} checkpoints have no sparse experts, but this config names {num_experts}")
+
+
+def _parse_mla(text: dict) -> MLAConfig:
+    return MLAConfig(kv_lora_rank=int(text["kv_lora_rank"]), q_lora_rank=text.get("q_lora_rank"),
+                     qk_nope_head_dim=int(text["qk_nope_head_dim"]), qk_rope_head_dim=int(text["qk_rope_head_dim"]),
+                     v_head_dim=int(text["v_head_dim"]), rope_interleave=bool(text.get("rope_interleave", True)))
 
 
 def _parse_rope_scaling(raw: dict) -> RopeScaling | None:

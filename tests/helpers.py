@@ -118,3 +118,39 @@ def greedy(llm, max_tokens: int, prompts: list[list[int]]) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+    """Random-weight sparse-expert models saved with transformers (fp32): 8 experts, top-2 (Mixtral,
+    Qwen2-MoE with a gated shared expert and one dense layer, Qwen3-MoE with norm_topk_prob, OLMoE with its
+    whole-q/k norm and clip_qkv). Weights are large enough (std 0.2) that routing differs per token."""
+    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=0, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    if arch == "mixtral":
+        cfg = MixtralConfig(**common, intermediate_size=48, num_local_experts=8)
+    elif arch == "qwen2_moe":
+        cfg = Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                             shared_expert_intermediate_size=48, mlp_only_layers=[1])
+    elif arch == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                             head_dim=32, norm_topk_prob=True)
+    elif arch == "olmoe":
+        cfg = OlmoeConfig(**common, intermediate_size=32, num_experts=8, clip_qkv=1.5)
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # biases default to zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.2)
+    model.save_pretrained(str(out_dir))
+    build_tiny_tokenizer(out_dir)
+    return out_dir

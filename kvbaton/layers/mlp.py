@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbaton.config import ModelConfig
 from kvbaton.kernels import PackedLinear
 from kvbaton.layers.linear import Linear
 
@@ -15,11 +14,11 @@ class MLP(nn.Module):
     # gate_up_proj packed for the C GEMM with silu(gate) * up in its epilogue (apply_compute_plan)
     fused_gate_up: PackedLinear | None = None
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_gate_up is not None and not self.gate_up_proj.takes_rows_kernel(x):

@@ -1,7 +1,9 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV pool.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, and their MoE kin Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE) over a paged KV pool.
 
-Qwen2 differs only by q/k/v biases and Qwen3 by a per-head RMSNorm on q and k, so one
-readable module covers all three, switched by `ModelConfig` flags.
+Qwen2 differs only by q/k/v biases, Qwen3 by a per-head RMSNorm on q and k, OLMoE by an RMSNorm over all
+of q (and of k) and an optional clamp; the MoE families swap the dense MLP for a sparse MoE block in their
+MoE layers. One readable module covers them all, switched by `ModelConfig` fields.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from kvbaton.config import ModelConfig
 from kvbaton.layers.attention import AttentionMetadata, PagedAttention
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
+from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding
 
@@ -30,15 +33,24 @@ class Attention(nn.Module):
         # NOTE: q, k and v share one matmul (weights concatenated at load time).
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.per_head_norm = cfg.qk_norm_per_head
+        q_dim, k_dim = (self.head_dim, self.head_dim) if cfg.qk_norm_per_head else (self.q_size, self.kv_size)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip_qkv = cfg.clip_qkv
         self.rope = rope
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         tokens, heads = x.shape[0], self.num_heads
-        qkv = self.qkv_proj(x).view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
-        if self.q_norm is not None and self.k_norm is not None:  # both or neither (cfg.qk_norm)
+        flat = self.qkv_proj(x)  # [T, (H + 2Hkv) * D]
+        if self.q_norm is not None and self.k_norm is not None and not self.per_head_norm:
+            q, k = slice(0, self.q_size), slice(self.q_size, self.q_size + self.kv_size)
+            flat[:, q], flat[:, k] = self.q_norm(flat[:, q]), self.k_norm(flat[:, k])
+        if self.clip_qkv is not None:
+            flat.clamp_(-self.clip_qkv, self.clip_qkv)
+        qkv = flat.view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads:heads + self.num_kv_heads] = self.k_norm(qkv[:, heads:heads + self.num_kv_heads])
         self.rope.apply_(qkv[:, :heads + self.num_kv_heads], cos_sin)  # q and k heads in one go
@@ -49,12 +61,14 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and cfg.moe.is_moe_layer(index)
+        self.mlp: MLP | SparseMoeBlock = (SparseMoeBlock(cfg.hidden_size, cfg.moe) if sparse and cfg.moe
+                                          else MLP(cfg.hidden_size, cfg.intermediate_size))
 
     def forward(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rope = rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from kvbaton.config import ConfigError, ModelConfig
+from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.models.llama import LlamaForCausalLM
 
 # HF parameter name -> (our fused parameter, shard index within it)
@@ -18,6 +21,13 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+# Mixtral's names for an expert's matrices
+_MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# module names some families spell differently from the ones our modules use
+_RENAMED = {"block_sparse_moe": "mlp", "shared_expert": "shared_experts"}
+
+# (our parameter's name, the part of it this tensor fills (None: all), whether it is one expert's part)
+Target = tuple[str, Callable[[torch.Tensor], torch.Tensor] | None, bool]
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
@@ -29,8 +39,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) ->
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, dtype, max_positions)
     model.to_empty(device="cpu")
-    # NOTE: buffers (the RoPE table) are not in the checkpoint; rebuild them on the CPU.
+    # NOTE: buffers (the RoPE table, the MoE token counters) are not in the checkpoint; rebuild them on the CPU.
     model.rope.build_table()
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            module.take_token_counts()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     loaded = _copy_weights(model, files, dtype)
@@ -44,40 +57,65 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) ->
 def _copy_weights(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype) -> set[str]:
     params = dict(model.named_parameters())
     cfg = model.config
-    shard_sizes = {
-        "qkv_proj": [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2,
-        "gate_up_proj": [cfg.intermediate_size] * 2,
-    }
+    qkv_sizes = [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
     loaded: set[str] = set()
+    filled: dict[str, int] = {}  # stacked expert tensors: how many parts of each were copied
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
                 name = hf_name.removeprefix("model.")
                 if "rotary_emb" in name:
                     continue
-                tensor = f.get_tensor(hf_name)
-                target, shard = _resolve(name, shard_sizes)
+                target, part, stacked = _resolve(name, qkv_sizes)
                 if target not in params:
                     continue  # e.g. lm_head.weight of a tied checkpoint is the embedding
                 param = params[target]
                 with torch.no_grad():
-                    if shard is None:
-                        param.copy_(tensor.to(param.dtype))
-                    else:
-                        param.narrow(0, shard[0], shard[1]).copy_(tensor.to(param.dtype))
-                loaded.add(target)
+                    (param if part is None else part(param)).copy_(f.get_tensor(hf_name).to(param.dtype))
+                if stacked:
+                    filled[target] = filled.get(target, 0) + 1
+                else:
+                    loaded.add(target)
+    for target, count in filled.items():
+        # NOTE: a stacked expert tensor is whole once every expert's parts arrived (gate_up: two each)
+        if count == params[target].shape[0] * (2 if target.endswith("gate_up_proj") else 1):
+            loaded.add(target)
     if cfg.tie_word_embeddings and "embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")
     return loaded
 
 
-def _resolve(name: str, shard_sizes: dict[str, list[int]]) -> tuple[str, tuple[int, int] | None]:
-    """Map an HF name to (our name, (row offset, rows)) for weights we fuse at load time."""
-    parts = name.split(".")
+def _resolve(name: str, qkv_sizes: list[int]) -> Target:
+    """Map an HF name to our name and the slice of our parameter it fills (fused or stacked weights)."""
+    parts = [_RENAMED.get(p, p) for p in name.split(".")]
+    if "experts" in parts and parts[parts.index("experts") + 1].isdigit():
+        return _expert_target(parts)
     for i, part in enumerate(parts):
         if part in _FUSED:
             fused, index = _FUSED[part]
-            sizes = shard_sizes[fused]
             parts[i] = fused
-            return ".".join(parts), (sum(sizes[:index]), sizes[index])
-    return name, None
+            if fused == "qkv_proj":
+                return ".".join(parts), functools.partial(_rows, qkv_sizes[:index], qkv_sizes[index]), False
+            return ".".join(parts), functools.partial(_half, index), False
+    return ".".join(parts), None, False
+
+
+def _rows(before: list[int], rows: int, param: torch.Tensor) -> torch.Tensor:
+    return param.narrow(0, sum(before), rows)
+
+
+def _half(index: int, param: torch.Tensor) -> torch.Tensor:
+    """Gate (0) or up (1): the halves of a fused gate_up_proj's rows."""
+    return param.narrow(0, index * (param.shape[0] // 2), param.shape[0] // 2)
+
+
+def _expert_target(parts: list[str]) -> Target:
+    """`...experts.<e>.<gate|up|down>_proj.weight` -> a slice of the layer's stacked `experts.gate_up_proj`
+    [E, 2I, H] or `experts.down_proj` [E, H, I]."""
+    at = parts.index("experts")
+    expert, proj = int(parts[at + 1]), _MIXTRAL_EXPERT.get(parts[at + 2], parts[at + 2])
+    prefix = ".".join(parts[:at + 1])
+    if proj == "down_proj":
+        return f"{prefix}.down_proj", lambda p: p[expert], True
+    half = 0 if proj == "gate_proj" else 1
+    return f"{prefix}.gate_up_proj", lambda p: p[expert].narrow(0, half * (p.shape[1] // 2), p.shape[1] // 2), True

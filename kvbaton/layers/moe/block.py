@@ -1,0 +1,48 @@
+"""A sparse MoE layer in place of the dense MLP: route, run the chosen experts, add the shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvbaton.config import MoEConfig
+from kvbaton.layers.linear import Linear
+from kvbaton.layers.mlp import MLP
+from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
+from kvbaton.layers.moe.router import TopKRouter
+
+
+class SparseMoeBlock(nn.Module):
+    """`forward(x [T, H]) -> [T, H]`; also counts, per expert, the tokens routed to it (`expert_token_counts`,
+    summed until the caller takes them with `take_token_counts`: the load statistics EPLB plans from)."""
+
+    expert_token_counts: torch.Tensor
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = TopKRouter(hidden_size, moe)
+        self.experts = GroupedExperts(moe.num_experts, hidden_size, moe.intermediate_size)
+        shared = moe.shared_intermediate_size
+        self.shared_experts = MLP(hidden_size, shared) if shared else None
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if moe.shared_expert_gate else None
+        self.register_buffer("expert_token_counts", torch.zeros(moe.num_experts, dtype=torch.int64),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # [T, k] each
+        groups = ExpertGroups.of(ids, weights, self.moe.num_experts)
+        self.expert_token_counts += groups.counts
+        out = self.experts(x, groups)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out += shared
+        return out
+
+    def take_token_counts(self) -> torch.Tensor:
+        """Tokens per expert since the last call ([E] int64), and start counting afresh."""
+        counts = self.expert_token_counts.clone()
+        self.expert_token_counts.zero_()
+        return counts
