@@ -12,11 +12,11 @@ from kvbaton.config import ConfigError
 from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs, TransferFailure
 from kvbaton.engine.sampler import SamplingRow, sample, token_logprobs
 from kvbaton.engine.structured.matchers import GrammarMatchers
-from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
+from kvbaton.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.kv.pools import KVPools, torch_dtype
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
-from kvbaton.models.llama import LlamaForCausalLM
+from kvbaton.models.families import CausalLM
 from kvbaton.platform.compute import AttentionCode
 
 
@@ -38,7 +38,7 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pools: KVPools, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
+    def __init__(self, model: CausalLM, pools: KVPools, seed: int = 0, eos_token_ids: tuple[int, ...] = (),
                  attention: AttentionCode = "c", kv_sender: KVSender | None = None) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -47,21 +47,33 @@ class ModelRunner:
         layout = pools.layout
         self.block_size = layout.block_size
         self.dtype = next(model.parameters()).dtype  # what the model computes in (a quantized pool holds bytes)
-        dtype = torch_dtype(layout)  # the pool's storage: the kernels read its format from it
-        shape = (model.config.num_attention_heads, layout.num_kv_heads, layout.head_dim)
         # c-per-token (deterministic): every token, prefill ones too, attends as a decode query over its
         # unsplit context, so its sums never depend on the batch, the chunking or the thread count.
         self.per_token_attention = attention == "c-per-token"
-        self.decode_kernel = (paged_decode_kernel(dtype, *shape, split_context=not self.per_token_attention)
-                              if attention != "torch" else None)
-        self.prefill_kernel = paged_prefill_kernel(dtype, *shape) if attention == "c" else None  # c+sdpa: SDPA
-        if self.per_token_attention and self.decode_kernel is None:
-            raise ConfigError(f"--deterministic needs the C decode-attention kernel, which does not take this model's "
-                              f"(heads, kv heads, head dim) = {shape}")
+        self.decode_kernel, self.prefill_kernel = self._attention_kernels(model.config.num_attention_heads, attention)
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
         self.grammars: GrammarMatchers | None = None  # set by the core with the first structured request
+
+    def _attention_kernels(self, num_heads: int, attention: AttentionCode,
+                           ) -> tuple[PagedDecodeKernel | None, PagedPrefillKernel | None]:
+        """The C attention kernels the compute plan names, for this pool (None: PyTorch's path)."""
+        layout = self.pools.layout
+        if layout.is_mla:  # NOTE: the C kernels read per-head K/V rows; latent attention is PyTorch's (layers.mla)
+            if self.per_token_attention:
+                raise ConfigError("--deterministic needs the C decode-attention kernel, which does not take multi-head "
+                                  "latent attention's KV layout")
+            return None, None
+        dtype = torch_dtype(layout)  # the pool's storage: the kernels read its format from it
+        shape = (num_heads, layout.num_kv_heads, layout.head_dim)
+        decode = (paged_decode_kernel(dtype, *shape, split_context=not self.per_token_attention)
+                  if attention != "torch" else None)
+        prefill = paged_prefill_kernel(dtype, *shape) if attention == "c" else None  # c+sdpa: SDPA
+        if self.per_token_attention and decode is None:
+            raise ConfigError(f"--deterministic needs the C decode-attention kernel, which does not take this model's "
+                              f"(heads, kv heads, head dim) = {shape}")
+        return decode, prefill
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:

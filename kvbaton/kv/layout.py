@@ -7,7 +7,9 @@ A pool holds, per token slot, the layout's `components` side by side, in order:
     standard attention:  k [Hkv, D] | v [Hkv, D]                  -> slot shape [2, Hkv, D]
     quantized (int8, fp8_e4m3): every head's row is D one-byte codes and its fp32 scale
                          k [Hkv, D + 4] | v [Hkv, D + 4]           -> slot shape [2, Hkv, D + 4] bytes
-    (later) MLA:         c_kv [1, kv_lora_rank] | k_rope [1, rope_dim]
+    MLA (DeepSeek-V3):   c_kv [1, kv_lora_rank] | k_rope [1, rope_dim]  -> slot shape [kv_lora_rank + rope_dim]
+                         (the latent every head's K and V are up-projected from, and the one shared RoPE key;
+                         not quantizable: a quantized row is per head of K or V)
 
 One layer's pool is `pool_shape(num_blocks)` = `[num_blocks * block_size, *slot_shape]`, with
 `slot = block * block_size + offset`, so one block of one layer is a contiguous run of
@@ -26,6 +28,7 @@ ELEMENT_BYTES = {"bfloat16": 2, "float32": 4, "float16": 2, "int8": 1, "fp8_e4m3
 QUANTIZED = ("int8", "fp8_e4m3")
 SCALE_BYTES = 4  # an fp32 scale after each head's codes
 K, V = "k", "v"
+C_KV, K_ROPE = "c_kv", "k_rope"
 
 
 class KVLayoutMismatch(ValueError):
@@ -55,6 +58,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"KV dtype must be one of {', '.join(ELEMENT_BYTES)}, not {self.dtype!r}")
         if min(self.num_layers, self.block_size, len(self.components)) < 1:
             raise ValueError("a KV layout needs at least one layer, one slot per block and one component")
+        if self.is_mla and self.quantized:
+            raise ValueError(f"an MLA KV layout (latent c_kv + rope key) cannot be quantized ({self.dtype}): "
+                             "its rows are not per head of K or V; use a float KV dtype")
 
     @classmethod
     def standard(cls, *, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -62,6 +68,13 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         """K and V of every KV head, side by side per slot: `[slots, 2, Hkv, D]`."""
         return cls(num_layers=num_layers, block_size=block_size, dtype=dtype,
                    components=(KVComponent(K, num_kv_heads, head_dim), KVComponent(V, num_kv_heads, head_dim)))
+
+    @classmethod
+    def mla(cls, *, num_layers: int, block_size: int, kv_lora_rank: int, rope_dim: int, dtype: str) -> KVLayout:
+        """Multi-head latent attention: per slot the compressed latent `c_kv` and the shared RoPE key, flattened
+        `[slots, kv_lora_rank + rope_dim]`. Quantized dtypes are refused (their rows are per head of K or V)."""
+        return cls(num_layers=num_layers, block_size=block_size, dtype=dtype,
+                   components=(KVComponent(C_KV, 1, kv_lora_rank), KVComponent(K_ROPE, 1, rope_dim)))
 
     # ---- shape -----------------------------------------------------------------------------
 
@@ -77,9 +90,10 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def slot_shape(self) -> tuple[int, ...]:
         """One slot's shape: `[num_components, heads, dim (+ scale bytes)]` when every component has the same
-        shape (K and V), else the components' elements flattened."""
+        shape (K and V), else (MLA's latent and rope key always) the components' elements flattened."""
         first = self.components[0]
-        if all((c.num_heads, c.head_dim) == (first.num_heads, first.head_dim) for c in self.components):
+        same = all((c.num_heads, c.head_dim) == (first.num_heads, first.head_dim) for c in self.components)
+        if same and not self.is_mla:
             return (len(self.components), first.num_heads, first.head_dim + self.row_numel)
         return (self.slot_numel,)
 
@@ -121,6 +135,11 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def component_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.components)
+
+    @property
+    def is_mla(self) -> bool:
+        """The latent layout of multi-head latent attention (no per-head K and V)."""
+        return self.component_names == (C_KV, K_ROPE)
 
     @property
     def num_kv_heads(self) -> int:

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from kvbaton.config import ConfigError, ModelConfig
 from kvbaton.layers.moe.block import SparseMoeBlock
-from kvbaton.models.llama import LlamaForCausalLM
+from kvbaton.models.families import CausalLM, model_class
 
 # HF parameter name -> (our fused parameter, shard index within it)
 _FUSED = {
@@ -30,14 +30,14 @@ _RENAMED = {"block_sparse_moe": "mlp", "shared_expert": "shared_experts"}
 Target = tuple[str, Callable[[torch.Tensor], torch.Tensor] | None, bool]
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) -> CausalLM:
     """Instantiate the model for `model_dir` and fill every parameter from its safetensors."""
     cfg = ModelConfig.from_dir(model_dir)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in model directory {model_dir}")
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, dtype, max_positions)
+        model = model_class(cfg)(cfg, dtype, max_positions)
     model.to_empty(device="cpu")
     # NOTE: buffers (the RoPE table, the MoE token counters) are not in the checkpoint; rebuild them on the CPU.
     model.rope.build_table()
@@ -54,7 +54,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) ->
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def _copy_weights(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype) -> set[str]:
+def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set[str]:
     params = dict(model.named_parameters())
     cfg = model.config
     qkv_sizes = [cfg.num_attention_heads * cfg.head_dim] + [cfg.num_key_value_heads * cfg.head_dim] * 2
@@ -66,7 +66,8 @@ def _copy_weights(model: LlamaForCausalLM, files: list[Path], dtype: torch.dtype
                 name = hf_name.removeprefix("model.")
                 if "rotary_emb" in name:
                     continue
-                target, part, stacked = _resolve(name, qkv_sizes)
+                # NOTE: a name that already is ours goes as it is (DeepSeek's q_proj is no fused qkv_proj)
+                target, part, stacked = (name, None, False) if name in params else _resolve(name, qkv_sizes)
                 if target not in params:
                     continue  # e.g. lm_head.weight of a tied checkpoint is the embedding
                 param = params[target]
@@ -119,3 +120,32 @@ def _expert_target(parts: list[str]) -> Target:
         return f"{prefix}.down_proj", lambda p: p[expert], True
     half = 0 if proj == "gate_proj" else 1
     return f"{prefix}.gate_up_proj", lambda p: p[expert].narrow(0, half * (p.shape[1] // 2), p.shape[1] // 2), True
+
+
+def read_experts(model_dir: str | Path, layer: int, experts: list[int], dtype: torch.dtype,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed experts `experts` (in that order; repeats allowed) of MoE layer `layer`, stacked as the model
+    holds them (gate_up [n, 2I, H], down [n, H, I]), read from the checkpoint: the weight copies of an expert
+    rebalancing that moves an expert onto a rank that does not hold it."""
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.moe is None:
+        raise ConfigError(f"{model_dir} has no sparse experts")
+    size, hidden = cfg.moe.intermediate_size, cfg.hidden_size
+    gate_up = torch.empty(len(experts), 2 * size, hidden, dtype=dtype)
+    down = torch.empty(len(experts), hidden, size, dtype=dtype)
+    rows = {e: [i for i, x in enumerate(experts) if x == e] for e in set(experts)}
+    found = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                parts = [_RENAMED.get(p, p) for p in hf_name.removeprefix("model.").split(".")]
+                if parts[:3] != ["layers", str(layer), "mlp"] or len(parts) < 7 or parts[3] != "experts":
+                    continue
+                expert, proj = int(parts[4]), _MIXTRAL_EXPERT.get(parts[5], parts[5])
+                for i in rows.get(expert, ()):
+                    target = down[i] if proj == "down_proj" else gate_up[i, (proj == "up_proj") * size:][:size]
+                    target.copy_(f.get_tensor(hf_name).to(dtype))
+                    found += 1
+    if found != 3 * len(experts):
+        raise ConfigError(f"checkpoint {model_dir} lacks some of experts {sorted(rows)} of layer {layer}")
+    return gate_up, down

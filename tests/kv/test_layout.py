@@ -7,6 +7,7 @@ import msgspec
 import pytest
 import torch
 
+from kvbaton.kv.convert import convert_slots
 from kvbaton.kv.layout import KVComponent, KVLayout, KVLayoutMismatch
 from kvbaton.kv.pools import KVPools, allocate_pools, block_view
 
@@ -25,6 +26,22 @@ def test_components_of_other_shapes_flatten_the_slot():
     mla = KVLayout(num_layers=2, block_size=4, dtype="float32",
                    components=(KVComponent("c_kv", 1, 16), KVComponent("k_rope", 1, 8)))
     assert mla.slot_shape == (24,) and mla.pool_shape(3) == (12, 24) and mla.block_bytes == 4 * 24 * 4
+
+
+def test_mla_layout_is_one_latent_row_per_slot_and_not_quantizable():
+    mla = KVLayout.mla(num_layers=2, block_size=4, kv_lora_rank=8, rope_dim=8, dtype="bfloat16")
+    assert mla.is_mla and not STD.is_mla and mla.component_names == ("c_kv", "k_rope")
+    assert mla.slot_shape == (16,) and mla.block_bytes == 4 * 16 * 2  # flat even when both parts are 8 wide
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(mla), type=KVLayout) == mla
+    mla.check_transferable(mla.with_dtype("float32"))
+    with pytest.raises(KVLayoutMismatch, match="components c_kv/k_rope vs k/v"):
+        mla.check_transferable(STD)
+    with pytest.raises(ValueError, match="cannot be quantized"):
+        mla.with_dtype("int8")
+    # a receiver converts another float dtype slot by slot (kvbaton.kv.convert)
+    slots = torch.randn(8, 16)
+    out = convert_slots(slots, mla.with_dtype("float32"), mla)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, slots.to(torch.bfloat16))
 
 
 def test_layout_round_trips_through_msgpack():
