@@ -32,12 +32,21 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class RopeScaling:
-    """Llama-3 style frequency-dependent RoPE scaling (`rope_type == "llama3"`)."""
+    """RoPE scaling as transformers computes it (`kvbaton.layers.rope`): Llama-3's frequency-dependent slowdown
+    (`rope_type == "llama3"`) or YaRN (`"yarn"`: DeepSeek-V3, Kimi-K2; its `attention_factor` scales cos/sin, and
+    DeepSeek's softmax scale takes `mscale_all_dim` too)."""
 
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
     original_max_position_embeddings: int
+    rope_type: str = "llama3"  # "llama3" | "yarn"
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn: the ramp between extrapolated and interpolated frequencies
+    beta_slow: float = 1.0
+    mscale: float | None = None  # yarn: with mscale_all_dim, the attention factor's terms
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None  # yarn: cos/sin scale; None: from factor, mscale and mscale_all_dim
+    truncate: bool = True  # yarn: round the correction range outwards
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,7 +167,7 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            rope_scaling=_parse_rope_scaling(text.get("rope_scaling") or rope_params),
+            rope_scaling=_parse_rope_scaling(text.get("rope_scaling") or rope_params, text),
             attention_bias=arch in _QWEN_LIKE or bool(text.get("attention_bias", False)),
             qk_norm=arch in _PER_HEAD_QK_NORM or arch == "olmoe",
             qk_norm_per_head=arch != "olmoe",
@@ -221,18 +230,37 @@ def _parse_mla(text: dict) -> MLAConfig:
                      v_head_dim=int(text["v_head_dim"]), rope_interleave=bool(text.get("rope_interleave", True)))
 
 
-def _parse_rope_scaling(raw: dict) -> RopeScaling | None:
+def _parse_rope_scaling(raw: dict, text: dict) -> RopeScaling | None:
     kind = raw.get("rope_type") or raw.get("type")
     if kind in (None, "default"):
         return None
+    if kind == "yarn":
+        return _parse_yarn(raw, text)
     if kind != "llama3":
-        raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, llama3")
+        raise ConfigError(f"unsupported rope scaling type {kind!r}; supported: default, llama3, yarn")
     return RopeScaling(
         factor=float(raw["factor"]),
         low_freq_factor=float(raw["low_freq_factor"]),
         high_freq_factor=float(raw["high_freq_factor"]),
         original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
     )
+
+
+def _parse_yarn(raw: dict, text: dict) -> RopeScaling:
+    """transformers' defaults: a top-level original_max_position_embeddings wins, else the rope dict's, else
+    max_position_embeddings; no factor: max_position_embeddings over the original."""
+    max_pos = text.get("max_position_embeddings", 2048)
+    original = int(text.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or max_pos)
+
+    def optional(key: str) -> float | None:
+        return None if raw.get(key) is None else float(raw[key])
+
+    return RopeScaling(rope_type="yarn", factor=float(raw.get("factor") or max_pos / original),
+                       original_max_position_embeddings=original, beta_fast=float(raw.get("beta_fast") or 32),
+                       beta_slow=float(raw.get("beta_slow") or 1), mscale=optional("mscale"),
+                       mscale_all_dim=optional("mscale_all_dim"), attention_factor=optional("attention_factor"),
+                       truncate=bool(raw.get("truncate", True)))
 
 
 # --kv-cache-dtype -> the KV layout's dtype (None: the model's)
@@ -327,6 +355,33 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertParallelConfig:
+    """This engine is rank `rank` of an expert-parallel group of `size` engines: each holds 1/size of every MoE
+    layer's experts and its own requests (attention data-parallel); tokens cross ranks in each MoE layer."""
+
+    size: int
+    rank: int
+    init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:29500
+    int8_dispatch: bool = False  # int8 activations (per-token scale) on the dispatch wire; combine stays exact
+    timeout_s: float = 60.0  # a collective waiting longer than this fails the step (a rank died)
+    # EPLB: extra expert slots for copies of hot experts (the slots, E + this, split evenly over the ranks)
+    num_redundant_experts: int = 0
+    rebalance_interval_steps: int = 0  # re-place experts from the measured load every this many steps (0: never)
+    load_window_steps: int = 1000  # the load the placement is planned from: the last this many steps
+    balance_objective: str = "tokens"  # balance tokens per rank, or "active_experts" (hit experts per rank)
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ConfigError(f"expert-parallel rank {self.rank} must be in [0, size={self.size})")
+        if self.timeout_s <= 0:
+            raise ConfigError("expert-parallel timeout must be positive")
+        if min(self.num_redundant_experts, self.rebalance_interval_steps) < 0 or self.load_window_steps < 1:
+            raise ConfigError("redundant experts and the rebalance interval must be >= 0, the load window >= 1")
+        if self.balance_objective not in ("tokens", "active_experts"):
+            raise ConfigError(f"balance objective must be tokens or active_experts, not {self.balance_objective!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Everything one engine needs; `max_model_len` is resolved against the model."""
 
@@ -342,6 +397,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
+    expert_parallel: ExpertParallelConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -53,6 +53,16 @@ class LocalLauncher:
             log.close()
         logger.info("started %s (pid %d)", spec.name, proc.pid)
 
+    def launch_group(self, specs: list[WorkerSpec]) -> None:
+        """Local processes need no placement: each rank is started in turn (none waits for the others here)."""
+        try:
+            for spec in specs:
+                self.launch(spec)
+        except BaseException:
+            for spec in specs:
+                self.kill(spec.name)
+            raise
+
     def is_alive(self, name: str) -> bool:
         worker = self.workers.get(name)
         return worker is not None and worker.proc.poll() is None

@@ -32,6 +32,11 @@ class Launcher(Protocol):
         then nothing of it is kept)."""
         ...
 
+    def launch_group(self, specs: list[WorkerSpec]) -> None:
+        """Start the ranks of one expert-parallel group as one unit: placed together (Ray: one placement
+        group, a bundle per rank, all or nothing) or not at all. Each rank stays a worker of its own name."""
+        ...
+
     def is_alive(self, name: str) -> bool:
         """Whether the worker's process still runs."""
         ...

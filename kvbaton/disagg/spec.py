@@ -45,6 +45,9 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     router_session: str = ""
     # CURVE on the worker's ZeroMQ sockets: control (commands, events, heartbeat) and its KV transport's
     encrypt_traffic: bool = False
+    # the expert-parallel group this worker is a rank of (its engine's `expert_parallel` says which): the
+    # pool starts, tears down and restarts a group's ranks together; None: a worker on its own
+    ep_group: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, WorkerRole):

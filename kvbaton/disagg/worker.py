@@ -78,6 +78,8 @@ from kvbaton.wire import (
 logger = logging.getLogger("kvbaton.worker")
 BUSY_POLL_MS = 2  # while transfers are in flight but nothing is runnable
 IDLE_POLL_MS = 500  # idle: wake up now and then (to notice a dead launcher)
+# an idle expert-parallel rank: how long a busy rank's step may wait for it to join (one all-reduce per round)
+EP_IDLE_POLL_MS = 5
 
 
 class Worker:
@@ -125,22 +127,30 @@ class Worker:
             runnable = self.core.has_unfinished_requests()
             self._drain_commands(0 if runnable else self._idle_wait_ms())
             self._report_failures(self.core.poll_transfers())
-            if self.core.has_unfinished_requests():
-                result = self.core.step()
-                # NOTE: failures first: the router then falls back before it sees a hand-off's first token
-                self._report_failures(result.failed_transfers)
-                for failure in result.failed_requests:
-                    self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=failure.in_step))
-                self.send(WorkerOutputs(self.name, result.outputs, self._load()))
-                # once the outputs are out, so a first token does not wait for the copies; the next heartbeat
-                # carries the store's counters with them
-                if self.core.save_to_store():
-                    self._load()
+            # NOTE: an expert-parallel rank steps every round, busy or not: the others' steps wait for it
+            if self.core.expert_parallel is not None or self.core.has_unfinished_requests():
+                self._step()
             if self.draining and self._idle():
                 self.send(Drained(self.name))
                 self.draining = False
 
+    def _step(self) -> None:
+        had_work = self.core.has_own_requests()
+        result = self.core.step()
+        # NOTE: failures first: the router then falls back before it sees a hand-off's first token
+        self._report_failures(result.failed_transfers)
+        for failure in result.failed_requests:
+            self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=failure.in_step))
+        if result.outputs or had_work:
+            self.send(WorkerOutputs(self.name, result.outputs, self._load()))
+        # once the outputs are out, so a first token does not wait for the copies; the next heartbeat
+        # carries the store's counters with them
+        if self.core.save_to_store():
+            self._load()
+
     def _idle_wait_ms(self) -> int:
+        if self.core.expert_parallel is not None:
+            return EP_IDLE_POLL_MS
         return BUSY_POLL_MS if self.core.transfers_in_flight else IDLE_POLL_MS
 
     def _drain_commands(self, block_ms: int) -> None:

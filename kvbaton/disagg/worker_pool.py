@@ -10,6 +10,7 @@ its `PoolListener` (the router).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvbaton.config import ConfigError, EngineConfig
+from kvbaton.config import ConfigError, EngineConfig, ExpertParallelConfig
 from kvbaton.disagg.launcher import Launcher
 from kvbaton.disagg.messages import (
     CheckIntegrity,
@@ -39,6 +40,7 @@ from kvbaton.disagg.supervision import RestartPolicy, SlotState, Supervisor, Tas
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.info import EngineInfo, EngineStats
 from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.processes import free_port
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec, curve_client, curve_keys, curve_server
 
 logger = logging.getLogger(__name__)
@@ -51,10 +53,19 @@ class PoolConfig:
     dead_after_s: float = 5.0  # no heartbeat for this long: the worker is gone
     start_timeout_s: float = 600.0
     restart: RestartPolicy = RestartPolicy()  # how a worker declared dead is replaced (see `supervision`)
+    # ranks per expert-parallel group: a prefill (decode, colocated) "worker" is a group of this many
+    prefill_ep_size: int = 1
+    decode_ep_size: int = 1
+    ep_int8_dispatch: bool = False  # int8 activations on the groups' dispatch wire
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.dead_after_s:
             raise ConfigError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
+        if min(self.prefill_ep_size, self.decode_ep_size) < 1:
+            raise ConfigError("expert-parallel sizes must be >= 1")
+
+    def ep_size(self, role: WorkerRole) -> int:
+        return self.prefill_ep_size if role == WorkerRole.PREFILL else self.decode_ep_size
 
 
 @dataclass(kw_only=True)
@@ -135,6 +146,7 @@ class WorkerPool:
         self._codec = SequencedCodec(secret, FromWorker, Peer.fresh(ROUTER_NAME))
         self._ctx = zmq.asyncio.Context()
         self._next_index = dict.fromkeys(WorkerRole, 0)
+        self._ep_groups: dict[str, str] = {}  # worker name -> its expert-parallel group
         self._stats_listeners: list[StatsListener] = []
         self._hello = asyncio.Event()
         self._integrity: dict[str, asyncio.Future] = {}
@@ -157,22 +169,52 @@ class WorkerPool:
         self._guard.spawn(self._event_loop(), "event loop", forever=True)
         self._guard.spawn(self._watchdog(), "watchdog", forever=True)
         decode_role = WorkerRole.DECODE if num_prefill else WorkerRole.BOTH
-        names = [await self.add_worker(WorkerRole.PREFILL) for _ in range(num_prefill)]
-        names += [await self.add_worker(decode_role) for _ in range(num_decode)]
+        names = [n for _ in range(num_prefill) for n in await self._add_unit(WorkerRole.PREFILL)]
+        names += [n for _ in range(num_decode) for n in await self._add_unit(decode_role)]
         await self.wait_for_workers(names, self.config.start_timeout_s)
 
     async def add_worker(self, role: WorkerRole) -> str:
-        """Start one more worker in `role`; it joins the pool when it says hello."""
+        """Start one more worker in `role` (an expert-parallel group: all its ranks; their names, joined by
+        commas); it joins the pool when it says hello."""
+        return ",".join(await self._add_unit(role))
+
+    async def _add_unit(self, role: WorkerRole) -> list[str]:
         engine = self.prefill_engine_config if role == WorkerRole.PREFILL else self.engine_config
+        specs = self._unit_specs(role, engine)
+        # NOTE: off the event loop: a Ray launch waits for its placement group. A group's ranks are all
+        # launched before any is waited for: each waits for the others at its rendezvous.
+        if len(specs) > 1:
+            await asyncio.to_thread(self.launcher.launch_group, specs)
+        else:
+            await asyncio.to_thread(self.launcher.launch, specs[0])
+        for spec in specs:
+            self.supervisor.add(spec)
+            if spec.ep_group is not None:
+                self._ep_groups[spec.name] = spec.ep_group
+        return [spec.name for spec in specs]
+
+    def _unit_specs(self, role: WorkerRole, engine: EngineConfig) -> list[WorkerSpec]:
+        size = self.config.ep_size(role)
+        if size == 1:
+            return [self._spec(role, engine)]
+        port = free_port(self.host)  # rank 0's rendezvous (a restarted group meets there again)
+        group = f"kvbaton-{role.value}-ep{self._next_index[role] // size}"
+        return [self._spec(role, dataclasses.replace(engine, expert_parallel=ExpertParallelConfig(
+            size=size, rank=rank, init_method=f"tcp://{self.host}:{port}", int8_dispatch=self.config.ep_int8_dispatch)),
+            ep_group=group) for rank in range(size)]
+
+    def _spec(self, role: WorkerRole, engine: EngineConfig, ep_group: str | None = None) -> WorkerSpec:
         spec = WorkerSpec(role=role, index=self._next_index[role], engine=engine, router=self.address,
                           router_session=self._codec.me.session.hex(),
                           host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s,
-                          encrypt_traffic=self.encrypt_traffic)
+                          encrypt_traffic=self.encrypt_traffic, ep_group=ep_group)
         self._next_index[role] += 1
-        # NOTE: off the event loop: a Ray launch waits for its placement group.
-        await asyncio.to_thread(self.launcher.launch, spec)
-        self.supervisor.add(spec)
-        return spec.name
+        return spec
+
+    def ep_group_of(self, name: str) -> list[str]:
+        """The names of `name`'s expert-parallel group (itself alone if it is in none)."""
+        group = self._ep_groups.get(name)
+        return [n for n, g in self._ep_groups.items() if g == group] if group is not None else [name]
 
     async def wait_for_workers(self, names: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -195,6 +237,9 @@ class WorkerPool:
         worker = self.workers.get(name)
         if worker is None or not worker.alive:
             raise KeyError(name)
+        if name in self._ep_groups:
+            raise ValueError(f"{name} is a rank of expert-parallel group {self._ep_groups[name]}; draining a "
+                             "group is not supported yet (stop the deployment, or let a failure restart it)")
         if not any(w.routable and w.role == worker.role and w is not worker for w in self.workers.values()):
             raise ValueError(f"{name} is the last {worker.role.value} worker; add another before draining it")
         worker.draining = True
@@ -241,7 +286,8 @@ class WorkerPool:
     def view(self) -> list[dict[str, Any]]:
         """The workers in the pool, each with its slot's restart count, then the slots that are down for good.
         NOTE: a slot whose replacement is still starting shows once the replacement has joined."""
-        joined = [{**w.view(), "restarts": self.supervisor.restarts(w.name)} for w in self.workers.values()]
+        joined = [{**w.view(), "restarts": self.supervisor.restarts(w.name), "ep_group": self._ep_groups.get(w.name)}
+                  for w in self.workers.values()]
         down = [s.view(self.config.restart) for s in self.supervisor.not_up() if s.state == SlotState.DOWN]
         return joined + down
 
@@ -375,6 +421,12 @@ class WorkerPool:
         self._health_changed()  # before the re-dispatch: a request with nowhere to go fails with the reason
         if self.listener is not None:
             await self.listener.on_worker_lost(worker, reason)
+        # NOTE: its group's other ranks cannot step without it (their exchanges would wait for it until they
+        # time out): they go with it now, their requests re-dispatched, and the group restarts together
+        for mate in self.ep_group_of(worker.name):
+            other = self.workers.get(mate)
+            if other is not None and other.alive:
+                await self._declare_dead(other, f"its expert-parallel group lost {worker.name} ({reason})")
 
     # ---- supervision -----------------------------------------------------------------------
 

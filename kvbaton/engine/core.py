@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from kvbaton.config import KV_CACHE_DTYPES, EngineConfig, ModelConfig
+from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, ModelConfig
+from kvbaton.engine.expert_parallel import ExpertParallelGroup
 from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
@@ -39,11 +40,11 @@ from kvbaton.kernels import cpu_kernels
 from kvbaton.kernels.linear import amx_enabled
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.hashing import BlockHash
-from kvbaton.kv.layout import KVLayout
+from kvbaton.kv.layout import QUANTIZED, KVLayout
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan
-from kvbaton.models.llama import LlamaForCausalLM
+from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
 from kvbaton.platform.compute import ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
@@ -85,8 +86,16 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def model_kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVLayout:
-    """What the Llama family caches: K and V of every KV head, per layer, in `kv_cache_dtype` (auto: the model's)."""
+    """What the model caches per layer, in `kv_cache_dtype` (auto: the model's): the Llama family K and V of
+    every KV head; multi-head latent attention (DeepSeek-V3) one latent row and rope key per token."""
     kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype] or str(dtype).removeprefix("torch.")
+    if cfg.mla is not None:
+        if kv_dtype in QUANTIZED:
+            raise ConfigError(f"--kv-cache-dtype {kv_cache_dtype}: KV quantization is per head of K and V, and "
+                              f"{cfg.architecture}'s multi-head latent attention caches one shared latent row per "
+                              "token instead; use auto, bfloat16 or float32")
+        return KVLayout.mla(num_layers=cfg.num_hidden_layers, block_size=block_size,
+                            kv_lora_rank=cfg.mla.kv_lora_rank, rope_dim=cfg.mla.qk_rope_head_dim, dtype=kv_dtype)
     return KVLayout.standard(num_layers=cfg.num_hidden_layers, block_size=block_size,
                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=kv_dtype)
 
@@ -99,11 +108,18 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype)
         limit = self.model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or limit, limit)
+        block_size = config.cache.block_size
+        # NOTE: before the weights load, so a layout the model cannot have is refused at once
+        self.kv_layout = model_kv_layout(self.model_config, block_size, self.dtype, config.cache.kv_cache_dtype)
+        if config.deterministic and self.kv_layout.is_mla:
+            raise ConfigError(f"--deterministic runs attention through kvbaton's batch-invariant C kernel, which reads "
+                              f"per-head K and V; {self.model_config.architecture}'s multi-head latent attention "
+                              "has none (its attention is PyTorch's): leave --deterministic off")
         self.compute_plan = self._choose_compute_plan()
         model = load_model(model_dir, self.dtype, max_model_len)
+        # before packing: only local experts get packed
+        self.expert_parallel = self._join_expert_parallel(model, model_dir)
         apply_compute_plan(model, self.compute_plan)
-        block_size = config.cache.block_size
-        self.kv_layout = model_kv_layout(self.model_config, block_size, self.dtype, config.cache.kv_cache_dtype)
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.kv_cache_memory_gb * 2**30 // self.kv_layout.bytes_per_block))
         self.info = EngineInfo(max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,
@@ -131,6 +147,14 @@ class EngineCore:
 
             compile_model(self.runner)
 
+    def _join_expert_parallel(self, model: CausalLM, model_dir: Path) -> ExpertParallelGroup | None:
+        ep = self.config.expert_parallel
+        if ep is None:
+            return None
+        group = ExpertParallelGroup(ep)
+        group.shard(model, model_dir, self.model_config.hidden_size)
+        return group
+
     def _choose_compute_plan(self) -> ComputePlan:
         cpu = detect_cpu()
         kernels = self.config.kernels and (self.config.compute_path == "torch" or cpu_kernels() is not None)
@@ -145,7 +169,7 @@ class EngineCore:
         allocate = allocate_pools if transfer is None else pool_allocator(transfer.connector, sending=transfer.send)
         return allocate(self.kv_layout, num_blocks)
 
-    def _build_runner(self, model: LlamaForCausalLM, pools: KVPools,
+    def _build_runner(self, model: CausalLM, pools: KVPools,
                       transfer: KVTransferConfig | None) -> tuple[KVHandoff, ModelRunner]:
         """The connector halves over the pools, then the runner that computes into them and sends from them."""
         sender = make_sender(transfer.connector, pools) if transfer is not None and transfer.send else None
@@ -191,6 +215,10 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
+        """Anything left to step for; an expert-parallel rank also steps while another rank is busy."""
+        return self.has_own_requests() or (self.expert_parallel is not None and self.expert_parallel.group_busy)
+
+    def has_own_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.grammars)
 
     def step(self) -> StepResult:
@@ -202,6 +230,8 @@ class EngineCore:
         for req in ready:
             self.scheduler.add_request(req)
         sched = self.scheduler.schedule()
+        if self.expert_parallel is not None:
+            self.expert_parallel.join_step(has_tokens=not sched.is_empty)
         if sched.is_empty and self.scheduler.loading and self.store is not None:
             self.store.wait_for_load(LOAD_WAIT_S)  # nothing else to run: no busy loop while a prefix loads
         try:
@@ -211,7 +241,9 @@ class EngineCore:
         except Exception as exc:
             self.kv_cache.forget_new_blocks()  # never computed: neither the prefix cache nor the store may keep them
             self._consecutive_step_failures += 1
-            if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+            # NOTE: an expert-parallel rank that failed mid-forward has left its group's exchanges out of step:
+            # only tearing the group down recovers it
+            if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES or self.expert_parallel:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))
         self._consecutive_step_failures = 0

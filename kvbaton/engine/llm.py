@@ -73,6 +73,9 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(ids), desc="generate", unit="req")
+        group = self.engine.core.expert_parallel
+        if group is not None:  # every rank of an EP group calls generate (maybe with no prompts): step together
+            group.expect_work()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:

@@ -416,3 +416,51 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
     assert roles == {"kvbaton-prefill-0": "prefill", "kvbaton-decode-0": "decode"}
     assert outs == hf_greedy(model, prompts + prompts[2:], 12)
     assert live_groups() == {} and launcher.list_workers() == []
+
+
+def test_expert_parallel_groups_through_ray(launcher, tiny_moe_models):
+    """1P(EP2) + 1D(EP2): each group's two ranks in one PACK placement group (a bundle each), serving."""
+    import asyncio
+
+    from helpers import hf_greedy
+
+    from kvbaton.disagg.router import Router, RouterConfig
+    from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
+    from kvbaton.engine.sampling_params import SamplingParams
+    from kvbaton.engine.tokenizer import Tokenizer
+
+    model = tiny_moe_models["qwen3_moe"]
+    prompts = [[(5 * i + 3 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([4, 13, 27])]
+    launcher.cpus_per_worker = 0.5
+
+    async def generate(router: Router, request_id: str, prompt: list[int]) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        tokens: list[int] = []
+        async for out in router.generate(request_id, None, prompt, params):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+    async def scenario():
+        config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0, prefill_ep_size=2,
+                            decode_ep_size=2)
+        pool = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
+                          ConnectorSpec(transport="shm"), host=launcher.start())
+        router = Router(pool, Tokenizer(model), RouterConfig(local_prefill_threshold=0))
+        try:
+            await router.start(1, 1)
+            outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))
+            return outs, launcher.list_workers()
+        finally:
+            await router.shutdown()
+
+    try:
+        outs, ranks = asyncio.run(asyncio.wait_for(scenario(), 300))
+    finally:
+        launcher.cpus_per_worker = None
+    assert outs == hf_greedy(model, prompts, 10)
+    by_group: dict[str, list[tuple[str, int]]] = {}
+    for w in ranks:
+        by_group.setdefault(w.placement_group_id, []).append((w.name, w.bundle_index))
+    assert sorted(sorted(g) for g in by_group.values()) == [
+        [("kvbaton-decode-0", 0), ("kvbaton-decode-1", 1)], [("kvbaton-prefill-0", 0), ("kvbaton-prefill-1", 1)]]
+    assert live_groups() == {} and launcher.list_workers() == []

@@ -57,6 +57,7 @@ class _Hosted:
     actors: list  # WorkerHost handles, per rank
     exit_ref: ray.ObjectRef  # rank 0's worker exit code
     info_refs: list[ray.ObjectRef]
+    bundles: list[int]  # its bundles of `pg` (an expert-parallel rank shares its group's)
 
 
 class RayLauncher:
@@ -152,6 +153,25 @@ class RayLauncher:
             raise
         return [w for w in self.list_workers() if w.name in names]
 
+    def launch_group(self, specs: list[WorkerSpec]) -> None:
+        """The ranks of one expert-parallel group in one PACK placement group, a bundle per rank (all or
+        nothing); each rank's actor runs its own worker."""
+        names = [s.name for s in specs]
+        if len(set(names)) < len(names) or set(names) & set(self._hosted):
+            raise ValueError(f"worker names must be unique and not running yet: {', '.join(names)}")
+        self.start()
+        cpus = self.cpus_per_worker or specs[0].engine.num_threads or 1
+        [pg] = self.reserve(specs[:1], cpus, ranks=len(specs))
+        sealed = _Secret(self.secret)
+        try:
+            for rank, spec in enumerate(specs):
+                self._hosted[spec.name] = self._host(spec, pg, cpus, sealed, bundles=[rank])
+        except BaseException:
+            self._stop([n for n in names if n in self._hosted], timeout_s=0)
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            raise
+
     def reserve(self, specs: Sequence[WorkerSpec], cpus_per_worker: float, ranks: int = 1) -> list[PlacementGroup]:
         """One ready PACK placement group per spec, with a `cpus_per_worker` bundle per rank;
         pools spread over nodes (see `placement`). All or nothing: PlacementError otherwise."""
@@ -160,15 +180,18 @@ class RayLauncher:
             held.setdefault(h.spec.role, set()).update(h.node_ids)
         return reserve_groups(plan_groups(specs, cpus_per_worker, ranks), held, self.placement_timeout_s)
 
-    def _host(self, spec: WorkerSpec, pg: PlacementGroup, cpus: float, secret: _Secret) -> _Hosted:
-        # NOTE: an actor per bundle, each running the spec's worker. `launch_many` reserves one rank
-        # per worker because a WorkerSpec has no rank yet; a tensor-parallel worker would add one here.
+    def _host(self, spec: WorkerSpec, pg: PlacementGroup, cpus: float, secret: _Secret,
+              bundles: list[int] | None = None) -> _Hosted:
+        # NOTE: an actor per bundle of the worker (all of the group's by default), each running the spec's
+        # worker; an expert-parallel rank takes one bundle of its group's placement group.
         spec_json = msgspec.json.encode(spec)
+        bundles = list(range(pg.bundle_count)) if bundles is None else bundles
         actors = [WorkerHost.options(  # type: ignore[attr-defined]  # added by @ray.remote
-            num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-        ).remote(spec_json, secret) for rank in range(pg.bundle_count)]
-        return _Hosted(spec=spec, pg=pg, node_ids=bundle_nodes(pg), actors=actors, exit_ref=actors[0].wait.remote(),
-                       info_refs=[a.info.remote() for a in actors])
+            num_cpus=cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b),
+        ).remote(spec_json, secret) for b in bundles]
+        nodes = bundle_nodes(pg)
+        return _Hosted(spec=spec, pg=pg, node_ids=[nodes[b] for b in bundles], actors=actors,
+                       exit_ref=actors[0].wait.remote(), info_refs=[a.info.remote() for a in actors], bundles=bundles)
 
     def is_alive(self, name: str) -> bool:
         hosted = self._hosted.get(name)
@@ -195,7 +218,7 @@ class RayLauncher:
                 info = _resolved(ref)
                 workers.append(RayWorker(name=h.spec.name, role=h.spec.role, index=h.spec.index, rank=rank,
                                          node_id=node_id, node_ip=ips.get(node_id, ""),
-                                         placement_group_id=h.pg.id.hex(), bundle_index=rank,
+                                         placement_group_id=h.pg.id.hex(), bundle_index=h.bundles[rank],
                                          actor_id=info and info.actor_id, pid=info and info.pid))
         return workers
 
@@ -224,7 +247,8 @@ class RayLauncher:
         for h in hosted:
             for actor in h.actors:
                 ray.kill(actor, no_restart=True)
-            remove_placement_group(h.pg)
+            if not any(other.pg.id == h.pg.id for other in self._hosted.values()):  # its group's last rank
+                remove_placement_group(h.pg)
             logger.info("stopped %s (exit code %s)", h.spec.name, codes[h.spec.name])
 
     def close(self) -> None:

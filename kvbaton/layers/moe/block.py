@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kvbaton.config import MoEConfig
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
+from kvbaton.layers.moe.dispatch import AllToAllDispatch, ExpertMap, shard_experts
 from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
 from kvbaton.layers.moe.router import TopKRouter
 
@@ -17,6 +19,7 @@ class SparseMoeBlock(nn.Module):
     summed until the caller takes them with `take_token_counts`: the load statistics EPLB plans from)."""
 
     expert_token_counts: torch.Tensor
+    dispatcher: AllToAllDispatch | None = None  # set by `use_expert_parallel`: the experts live on several ranks
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
@@ -31,9 +34,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k] each
-        groups = ExpertGroups.of(ids, weights, self.moe.num_experts)
-        self.expert_token_counts += groups.counts
-        out = self.experts(x, groups)
+        if self.dispatcher is not None:
+            self.expert_token_counts += torch.bincount(ids.flatten(), minlength=self.moe.num_experts)
+            out = self.dispatcher(x, ids, weights)
+        else:
+            groups = ExpertGroups.of(ids, weights, self.moe.num_experts)
+            self.expert_token_counts += groups.counts
+            out = self.experts(x, groups)
         if self.shared_experts is not None:
             shared = self.shared_experts(x)
             if self.shared_expert_gate is not None:
@@ -46,3 +53,13 @@ class SparseMoeBlock(nn.Module):
         counts = self.expert_token_counts.clone()
         self.expert_token_counts.zero_()
         return counts
+
+    def use_expert_parallel(self, group: dist.ProcessGroup, expert_map: ExpertMap, int8_wire: bool = False) -> None:
+        """Keep only this rank's expert slots and exchange tokens with the other ranks of `group`."""
+        self.experts = shard_experts(self.experts, expert_map, dist.get_rank(group))
+        self.dispatcher = AllToAllDispatch(self.experts, expert_map, self.moe.num_experts, group, int8_wire)
+
+    def idle_exchange(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """A step in which this rank has no tokens: still take part in the layer's exchanges."""
+        if self.dispatcher is not None:
+            self.dispatcher.idle_exchange(hidden_size, dtype)

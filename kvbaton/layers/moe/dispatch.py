@@ -1,0 +1,177 @@
+"""Expert parallelism: the experts of a MoE layer spread over the ranks of a process group, tokens sent to
+the rank of their expert and back (all-to-all dispatch and combine, every MoE layer of every step).
+
+    rank r: tokens of its own requests ──route──▶ (token, slot) ──sort by slot──▶ | to r0 | to r1 | ...
+            all_to_all(rows)  ─▶ each rank runs the rows it received through its local experts
+            all_to_all(outputs) back ─▶ the routing-weighted sum per token, in the order one process sums it
+
+A slot is a physical expert copy; `ExpertMap` says which logical expert each slot holds (EPLB may give a hot
+expert several), slot s lives on rank `s // slots_per_rank`, and token i of rank r's batch takes copy
+`(i * ranks + r) % copies` of its expert: a hot expert's tokens spread over its copies, and even a rank with a
+single token (decode) uses another copy than its neighbours; no communication is needed to agree.
+
+Every rank must make the same calls in the same order: a rank without tokens this step still runs
+`idle_exchange` for each MoE layer (the engine's lockstep does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
+
+SCALE_BYTES = 4  # an int8 row's fp32 scale rides after its codes
+
+
+@dataclass(frozen=True)
+class ExpertMap:
+    """Which logical expert each physical slot holds, over `num_ranks` ranks with equal slot counts."""
+
+    physical_to_logical: tuple[int, ...]
+    num_ranks: int
+
+    def __post_init__(self) -> None:
+        if len(self.physical_to_logical) % self.num_ranks:
+            raise ValueError(f"{len(self.physical_to_logical)} expert slots do not split over {self.num_ranks} ranks")
+
+    @classmethod
+    def contiguous(cls, num_experts: int, num_ranks: int) -> ExpertMap:
+        """No replicas: rank r holds experts [r * E/N, (r + 1) * E/N)."""
+        if num_experts % num_ranks:
+            raise ValueError(f"{num_experts} experts do not split evenly over {num_ranks} expert-parallel ranks")
+        return cls(tuple(range(num_experts)), num_ranks)
+
+    @property
+    def slots_per_rank(self) -> int:
+        return len(self.physical_to_logical) // self.num_ranks
+
+    def local_experts(self, rank: int) -> list[int]:
+        per = self.slots_per_rank
+        return list(self.physical_to_logical[rank * per:(rank + 1) * per])
+
+    def lookup(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replica slots [E, max copies] padded by repeating, copies per expert [E])."""
+        slots: list[list[int]] = [[] for _ in range(num_experts)]
+        for slot, expert in enumerate(self.physical_to_logical):
+            slots[expert].append(slot)
+        if any(not s for s in slots):
+            raise ValueError("every logical expert needs at least one slot")
+        width = max(len(s) for s in slots)
+        table = [(s * width)[:width] for s in slots]
+        return torch.tensor(table, dtype=torch.int64), torch.tensor([len(s) for s in slots], dtype=torch.int64)
+
+
+class AllToAllDispatch:
+    """Replaces a MoE block's local expert computation when its experts are spread over `group`."""
+
+    def __init__(self, experts: GroupedExperts, expert_map: ExpertMap, num_experts: int,
+                 group: dist.ProcessGroup, int8_wire: bool = False) -> None:
+        self.experts = experts  # this rank's slots, in slot order
+        self.map = expert_map
+        self.num_experts = num_experts
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.world != expert_map.num_ranks:
+            raise ValueError(f"an expert map of {expert_map.num_ranks} ranks for a group of {self.world}")
+        self.slot_table, self.copies = expert_map.lookup(num_experts)
+        self.int8_wire = int8_wire
+        self.bytes_sent = 0  # dispatch + combine payload this rank sent to other ranks (statistics)
+        self.rows_computed = 0  # token-expert pairs this rank's experts computed (its share of the layer's work)
+
+    def swap(self, experts: GroupedExperts, expert_map: ExpertMap) -> None:
+        """Take a new placement (EPLB) with this rank's new slots' weights; between steps, on every rank at once."""
+        if expert_map.num_ranks != self.world:
+            raise ValueError(f"an expert map of {expert_map.num_ranks} ranks for a group of {self.world}")
+        self.experts, self.map = experts, expert_map
+        self.slot_table, self.copies = expert_map.lookup(self.num_experts)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], ids/weights: [T, k] -> [T, H]: the weighted sum of each token's experts."""
+        tokens = torch.arange(x.shape[0]).repeat_interleave(ids.shape[1])  # [T*k]
+        flat = ids.flatten()
+        copy = (tokens * self.world + self.rank) % self.copies[flat]
+        slots = self.slot_table[flat, copy]  # [T*k] the copy each assignment uses
+        order = torch.argsort(slots, stable=True)  # grouped by destination rank, then by slot
+        per = self.map.slots_per_rank
+        send_counts = torch.bincount(slots // per, minlength=self.world)
+        outputs = self._exchange(x[tokens[order]], slots[order] % per, send_counts)
+        rows = torch.empty_like(outputs)
+        rows[order] = outputs  # back in assignment order
+        # NOTE: weighted and summed exactly as one process does (GroupedExperts: by expert id, token order
+        # kept), so EP output equals EP1's bit for bit when each expert's rows do.
+        by_expert = torch.argsort(flat, stable=True)
+        weighted = rows[by_expert].mul_(weights.flatten()[by_expert].to(rows.dtype).unsqueeze(1))
+        return torch.zeros_like(x).index_add_(0, by_expert // ids.shape[1], weighted)
+
+    def idle_exchange(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """This rank has no tokens this step: take part in the layer's exchanges with nothing to send."""
+        empty = torch.empty(0, hidden_size, dtype=dtype)
+        self._exchange(empty, torch.empty(0, dtype=torch.int64), torch.zeros(self.world, dtype=torch.int64))
+
+    def _exchange(self, rows: torch.Tensor, local_slots: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
+        """Send each row to its slot's rank, run what arrives through the local experts, send the results back."""
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        arrived_slots = self._all_to_all(local_slots, send, recv)
+        arrived = self._all_to_all_rows(rows, send, recv)
+        computed = self._local_experts(arrived, arrived_slots)
+        self.bytes_sent += (_remote_bytes(rows, send, self.rank, self.int8_wire)
+                            + _remote_bytes(computed, recv, self.rank))
+        return self._all_to_all(computed, recv, send)
+
+    def _all_to_all_rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if not self.int8_wire:
+            return self._all_to_all(rows, send, recv)
+        return dequantize_rows(self._all_to_all(quantize_rows(rows), send, recv), rows.dtype)
+
+    def _all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv, input_split_sizes=send,
+                               group=self.group)
+        return out
+
+    def _local_experts(self, rows: torch.Tensor, local_slots: torch.Tensor) -> torch.Tensor:
+        """Each arrived row through its slot's expert (one routing choice per row, weight 1)."""
+        if rows.shape[0] == 0:
+            return rows
+        self.rows_computed += rows.shape[0]
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32)
+        return self.experts(rows, ExpertGroups.of(local_slots.unsqueeze(1), ones, self.map.slots_per_rank))
+
+
+def _remote_bytes(rows: torch.Tensor, counts: list[int], rank: int, int8: bool = False) -> int:
+    remote_rows = sum(counts) - counts[rank]
+    row_bytes = rows.shape[1] + SCALE_BYTES if int8 else rows.shape[1] * rows.element_size()
+    return remote_rows * row_bytes
+
+
+def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
+    """[N, H] -> [N, H + 4] int8: per-row absmax codes, then the row's fp32 scale as 4 bytes."""
+    x = rows.float()
+    scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)  # [N, 1]
+    codes = torch.round(x / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat((codes, scale.view(torch.int8)), dim=1)
+
+
+def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    codes, scale = packed[:, :-SCALE_BYTES], packed[:, -SCALE_BYTES:].contiguous().view(torch.float32)
+    return (codes.float() * scale).to(dtype)
+
+
+def shard_experts(block_experts: GroupedExperts, expert_map: ExpertMap, rank: int) -> GroupedExperts:
+    """This rank's slots of a layer's experts (copies of their weights; the full stack can then be freed)."""
+    local = torch.tensor(expert_map.local_experts(rank), dtype=torch.int64)
+    return stacked_experts(block_experts.gate_up_proj.detach()[local], block_experts.down_proj.detach()[local])
+
+
+def stacked_experts(gate_up: torch.Tensor, down: torch.Tensor) -> GroupedExperts:
+    """Experts over given stacks: gate_up [n, 2I, H], down [n, H, I] (taken, not copied)."""
+    with torch.device("meta"):
+        experts = GroupedExperts(gate_up.shape[0], down.shape[1], down.shape[2])
+    experts.gate_up_proj = torch.nn.Parameter(gate_up.contiguous(), requires_grad=False)
+    experts.down_proj = torch.nn.Parameter(down.contiguous(), requires_grad=False)
+    return experts

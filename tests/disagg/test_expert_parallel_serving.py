@@ -1,0 +1,85 @@
+"""Expert-parallel groups served behind the router (real processes, tiny Qwen3-MoE, fp32): a colocated EP2
+group and a 1P(EP2) + 1D(EP2) deployment give transformers' greedy output; a rank SIGKILLed mid-stream
+takes its group down (detected, its mate fenced), its requests finish on the other group, and the group
+restarts as a whole."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from helpers import hf_greedy
+from pd_harness import collect, router_over, run, tiny_prompts
+
+from kvbaton.disagg.flight import Phase
+
+MAX_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_moe_models):
+    return tiny_moe_models["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def references(moe_model):
+    prompts = tiny_prompts(41, [3, 30, 12, 45, 7, 20])
+    return prompts, hf_greedy(moe_model, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("prefill", [0, 1], ids=["colocated", "pd"])
+def test_served_expert_parallel_group_matches_transformers(moe_model, references, prefill):
+    prompts, refs = references
+
+    async def scenario():
+        async with router_over(moe_model, prefill=prefill, decode=1, decode_ep_size=2, prefill_ep_size=2,
+                               local_prefill_threshold=0) as router:
+            outs = await asyncio.gather(*(collect(router, f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
+            view = router.workers_view()
+            return outs, view
+
+    outs, view = run(scenario())
+    assert outs == refs
+    groups = {w["name"]: w["ep_group"] for w in view}
+    expected = {"kvbaton-both-0": "kvbaton-both-ep0", "kvbaton-both-1": "kvbaton-both-ep0"} if not prefill else {
+        "kvbaton-prefill-0": "kvbaton-prefill-ep0", "kvbaton-prefill-1": "kvbaton-prefill-ep0",
+        "kvbaton-decode-0": "kvbaton-decode-ep0", "kvbaton-decode-1": "kvbaton-decode-ep0"}
+    assert groups == expected
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_stream_tears_its_group_down_and_loses_nothing(moe_model, references):
+    prompts, refs = references
+
+    async def scenario():
+        async with router_over(moe_model, prefill=0, decode=2, decode_ep_size=2, decode_policy="round_robin",
+                               dead_after_s=2.0, max_failed_attempts=3) as router:
+            tasks = [asyncio.create_task(collect(router, f"r{i}", p, MAX_NEW)) for i, p in enumerate(prompts)]
+            victim = "kvbaton-both-1"  # rank 1 of group 0; its mate is kvbaton-both-0
+            deadline = time.monotonic() + 60
+            while not any(victim in (f.prefill, f.decode) and f.phase == Phase.DECODING and len(f.tokens) >= 2
+                          for f in router.flights.values()):
+                assert time.monotonic() < deadline, "no request decoding on the victim in time"
+                await asyncio.sleep(0.002)
+            os.kill(router.pool.workers[victim].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while "kvbaton-both-0" in router.pool.workers or victim in router.pool.workers:
+                assert time.monotonic() - killed < 15, "the group was not torn down"
+                await asyncio.sleep(0.005)
+            torn_down = time.monotonic() - killed
+            outs = await asyncio.gather(*tasks)
+            while not all(n in router.pool.workers for n in ("kvbaton-both-0", victim)):
+                assert time.monotonic() - killed < 120, "the group did not come back"
+                await asyncio.sleep(0.05)
+            back = time.monotonic() - killed
+            again = await asyncio.gather(*(collect(router, f"again{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
+            return outs, again, torn_down, back, router.workers_view()
+
+    outs, again, torn_down, back, view = run(scenario())
+    print(f"group torn down {torn_down:.2f} s after the kill, back after {back:.2f} s")
+    assert outs == refs and again == refs
+    restarts = {w["name"]: w["restarts"] for w in view}
+    assert restarts == {"kvbaton-both-0": 1, "kvbaton-both-1": 1, "kvbaton-both-2": 0, "kvbaton-both-3": 0}

@@ -1,0 +1,37 @@
+"""One rank of an expert-parallel group, as its own process: `python ep_rank.py JOB_JSON` runs the job's prompt
+sets one after another (between them, with "rebalance", every rank re-places its experts from the load so far)
+and prints, as JSON, each set's greedy outputs and the token-expert pairs this rank's experts computed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvbaton import LLM, SamplingParams
+from kvbaton.config import ExpertParallelConfig
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    ep = ExpertParallelConfig(size=job["size"], rank=job["rank"], init_method=f"tcp://127.0.0.1:{job['port']}",
+                              int8_dispatch=job.get("int8", False), num_redundant_experts=job.get("redundant", 0),
+                              timeout_s=30)
+    llm = LLM(job["model"], dtype="float32", num_threads=1, block_size=4, expert_parallel=ep)
+    group = llm.engine.core.expert_parallel
+    assert group is not None
+    params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    results = []
+    for prompts in job["prompt_sets"]:
+        before = group.rows_computed
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        results.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                        "rows_computed": group.rows_computed - before})
+        if job.get("rebalance"):
+            group.rebalance_now()
+    llm.engine.check_integrity()
+    print(json.dumps({"sets": results, "bytes_sent": group.bytes_sent, "rebalances": group.rebalancer.rebalances}))
+    group.close()
+
+
+if __name__ == "__main__":
+    main()
