@@ -157,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--ep-int8-dispatch", action="store_true",
                     help="send MoE activations to other ranks as int8 with a per-token scale (about 1/2 the "
                          "bytes of bf16; results come back exact)")
+    pd.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
+                    help="EPLB: R extra expert slots per MoE layer in each expert-parallel group, for copies of hot "
+                         "experts (experts + R must divide by the group size)")
+    pd.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
+                    help="EPLB: re-place each group's experts from the measured load every STEPS busy steps "
+                         "(weights copied in the background, swapped between steps; 0: never)")
+    pd.add_argument("--eplb-objective", default="tokens", choices=["tokens", "active_experts"],
+                    help="EPLB balances tokens per rank, or the experts each rank must read per step (decode)")
     pd.add_argument("--allow-insecure-kv-transport", action="store_true",
                     help="let --kv-transport mooncake listen off loopback: its data plane is unauthenticated "
                          "(any host that reaches it can read or write the KV pools); private networks only")
@@ -258,6 +266,8 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                               dead_after_s=args.worker_dead_after,
                               restart=RestartPolicy(max_restarts=args.max_worker_restarts),
                               decode_ep_size=args.expert_parallel_size, ep_int8_dispatch=args.ep_int8_dispatch,
+                              num_redundant_experts=args.num_redundant_experts, eplb_interval_steps=args.eplb_interval,
+                              eplb_objective=args.eplb_objective,
                               prefill_ep_size=args.prefill_expert_parallel_size or args.expert_parallel_size))
 
 

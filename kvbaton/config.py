@@ -367,7 +367,6 @@ class ExpertParallelConfig:
     # EPLB: extra expert slots for copies of hot experts (the slots, E + this, split evenly over the ranks)
     num_redundant_experts: int = 0
     rebalance_interval_steps: int = 0  # re-place experts from the measured load every this many steps (0: never)
-    load_window_steps: int = 1000  # the load the placement is planned from: the last this many steps
     balance_objective: str = "tokens"  # balance tokens per rank, or "active_experts" (hit experts per rank)
 
     def __post_init__(self) -> None:
@@ -375,8 +374,8 @@ class ExpertParallelConfig:
             raise ConfigError(f"expert-parallel rank {self.rank} must be in [0, size={self.size})")
         if self.timeout_s <= 0:
             raise ConfigError("expert-parallel timeout must be positive")
-        if min(self.num_redundant_experts, self.rebalance_interval_steps) < 0 or self.load_window_steps < 1:
-            raise ConfigError("redundant experts and the rebalance interval must be >= 0, the load window >= 1")
+        if min(self.num_redundant_experts, self.rebalance_interval_steps) < 0:
+            raise ConfigError("redundant experts and the rebalance interval must be >= 0")
         if self.balance_objective not in ("tokens", "active_experts"):
             raise ConfigError(f"balance objective must be tokens or active_experts, not {self.balance_objective!r}")
 
@@ -398,10 +397,13 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     expert_parallel: ExpertParallelConfig | None = None
+    expert_load_window_steps: int = 1000  # MoE: the expert load statistics (and EPLB) cover this many steps
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, not {self.dtype!r}")
+        if self.expert_load_window_steps < 1:
+            raise ConfigError("expert_load_window_steps must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
         if self.deterministic and self.compile:

@@ -116,6 +116,9 @@ class Router:
     def workers_view(self) -> list[dict[str, Any]]:
         return self.pool.view()
 
+    def expert_view(self) -> dict[str, Any] | None:
+        return self.pool.expert_view()
+
     def kv_store_target(self) -> StoreTarget | None:
         """The KV store the decode workers share (None without one, or before one has joined)."""
         engine = self.pool.engine_config

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,8 @@ class Worker:
             self.send(RequestFailed(self.name, failure.request_id, failure.reason, in_step=failure.in_step))
         if result.outputs or had_work:
             self.send(WorkerOutputs(self.name, result.outputs, self._load()))
+        elif time.monotonic() - self._load_time > self.spec.heartbeat_s:
+            self._load()  # an EP rank serving only others' tokens: its counters move; the heartbeat carries them
         # once the outputs are out, so a first token does not wait for the copies; the next heartbeat
         # carries the store's counters with them
         if self.core.save_to_store():
@@ -224,6 +227,7 @@ class Worker:
 
     def _load(self) -> WorkerLoad:
         self._load_seq += 1
+        self._load_time = time.monotonic()
         self.last_load = WorkerLoad(self.core.stats(), self.core.num_receiving, self.core.num_sending, self._load_seq)
         return self.last_load
 

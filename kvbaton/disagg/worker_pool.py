@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from kvbaton.config import ConfigError, EngineConfig, ExpertParallelConfig
+from kvbaton.disagg.expert_view import expert_view
 from kvbaton.disagg.launcher import Launcher
 from kvbaton.disagg.messages import (
     CheckIntegrity,
@@ -57,6 +58,10 @@ class PoolConfig:
     prefill_ep_size: int = 1
     decode_ep_size: int = 1
     ep_int8_dispatch: bool = False  # int8 activations on the groups' dispatch wire
+    # EPLB in every group: redundant expert slots, re-placement every this many busy steps (0: never), objective
+    num_redundant_experts: int = 0
+    eplb_interval_steps: int = 0
+    eplb_objective: str = "tokens"
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.dead_after_s:
@@ -199,9 +204,11 @@ class WorkerPool:
             return [self._spec(role, engine)]
         port = free_port(self.host)  # rank 0's rendezvous (a restarted group meets there again)
         group = f"kvbaton-{role.value}-ep{self._next_index[role] // size}"
+        c = self.config
         return [self._spec(role, dataclasses.replace(engine, expert_parallel=ExpertParallelConfig(
-            size=size, rank=rank, init_method=f"tcp://{self.host}:{port}", int8_dispatch=self.config.ep_int8_dispatch)),
-            ep_group=group) for rank in range(size)]
+            size=size, rank=rank, init_method=f"tcp://{self.host}:{port}", int8_dispatch=c.ep_int8_dispatch,
+            num_redundant_experts=c.num_redundant_experts, rebalance_interval_steps=c.eplb_interval_steps,
+            balance_objective=c.eplb_objective)), ep_group=group) for rank in range(size)]
 
     def _spec(self, role: WorkerRole, engine: EngineConfig, ep_group: str | None = None) -> WorkerSpec:
         spec = WorkerSpec(role=role, index=self._next_index[role], engine=engine, router=self.address,
@@ -290,6 +297,12 @@ class WorkerPool:
                   for w in self.workers.values()]
         down = [s.view(self.config.restart) for s in self.supervisor.not_up() if s.state == SlotState.DOWN]
         return joined + down
+
+    def expert_view(self) -> dict[str, Any] | None:
+        """The MoE load behind `GET /experts` (None: a dense model), see `expert_view`."""
+        loads = {w.name: w.load.stats.expert_load for w in self.workers.values()
+                 if w.alive and w.load.stats.expert_load is not None}
+        return expert_view({n: load for n, load in loads.items() if load is not None}, self._ep_groups)
 
     def add_stats_listener(self, callback: StatsListener) -> None:
         self._stats_listeners.append(callback)

@@ -18,7 +18,8 @@ import torch
 
 from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, ModelConfig
 from kvbaton.engine.expert_parallel import ExpertParallelGroup
-from kvbaton.engine.info import EngineInfo, EngineStats, validate_request
+from kvbaton.engine.expert_stats import ExpertStats
+from kvbaton.engine.info import EngineInfo, EngineStats, ExpertLoad, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.outputs import (
@@ -117,8 +118,9 @@ class EngineCore:
                               "has none (its attention is PyTorch's): leave --deterministic off")
         self.compute_plan = self._choose_compute_plan()
         model = load_model(model_dir, self.dtype, max_model_len)
+        self.expert_stats = ExpertStats.of(model, config.expert_load_window_steps)  # None: a dense model
         # before packing: only local experts get packed
-        self.expert_parallel = self._join_expert_parallel(model, model_dir)
+        self.expert_parallel = self._join_expert_parallel(model_dir)
         apply_compute_plan(model, self.compute_plan)
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.kv_cache_memory_gb * 2**30 // self.kv_layout.bytes_per_block))
@@ -147,12 +149,14 @@ class EngineCore:
 
             compile_model(self.runner)
 
-    def _join_expert_parallel(self, model: CausalLM, model_dir: Path) -> ExpertParallelGroup | None:
+    def _join_expert_parallel(self, model_dir: Path) -> ExpertParallelGroup | None:
         ep = self.config.expert_parallel
         if ep is None:
             return None
+        if self.expert_stats is None:
+            raise ConfigError("expert parallelism needs a model with sparse-expert (MoE) layers")
         group = ExpertParallelGroup(ep)
-        group.shard(model, model_dir, self.model_config.hidden_size)
+        group.shard(self.expert_stats, model_dir, self.model_config.hidden_size)
         return group
 
     def _choose_compute_plan(self) -> ComputePlan:
@@ -237,6 +241,8 @@ class EngineCore:
         try:
             start = time.perf_counter()
             model_output = self.runner.execute(sched)
+            if self.expert_stats is not None and not sched.is_empty:
+                self.expert_stats.record_step()
             outputs = self.scheduler.update_from_output(sched, model_output)
         except Exception as exc:
             self.kv_cache.forget_new_blocks()  # never computed: neither the prefix cache nor the store may keep them
@@ -327,7 +333,14 @@ class EngineCore:
                            prefix_cache_queried_tokens=prefix.queried_tokens, prefix_cache_hit_tokens=prefix.hit_tokens,
                            num_preemptions=self.scheduler.num_preemptions,
                            kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
-                           kv_store=tuple(self.store.stats()) if self.store is not None else ())
+                           kv_store=tuple(self.store.stats()) if self.store is not None else (),
+                           expert_load=self._expert_load())
+
+    def _expert_load(self) -> ExpertLoad | None:
+        if self.expert_stats is None:
+            return None
+        ep = self.expert_parallel
+        return self.expert_stats.snapshot(**ep.load_fields()) if ep is not None else self.expert_stats.snapshot()
 
     @property
     def kv_cache_usage(self) -> float:

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from kvbaton.config import ExpertParallelConfig, MoEConfig
-from kvbaton.layers.moe.block import SparseMoeBlock
+from kvbaton.engine.expert_stats import MoELayer
 from kvbaton.layers.moe.dispatch import ExpertMap, stacked_experts
 from kvbaton.layers.moe.eplb import ExpertPlacement, Objective, rebalance, rebalance_layer
 from kvbaton.layers.moe.load_stats import ExpertLoadWindow
@@ -28,18 +27,11 @@ from kvbaton.layers.moe.load_stats import ExpertLoadWindow
 ReadExperts = Callable[[int, list[int]], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass(frozen=True)
-class MoELayer:
-    index: int  # the decoder layer it is in (how the checkpoint names its weights)
-    block: SparseMoeBlock
-
-
 class ExpertRebalancer:
-    def __init__(self, layers: list[MoELayer], moe: MoEConfig, config: ExpertParallelConfig,
+    def __init__(self, layers: list[MoELayer], window: ExpertLoadWindow, moe: MoEConfig, config: ExpertParallelConfig,
                  group: dist.ProcessGroup, read_experts: ReadExperts) -> None:
-        self.layers, self.moe, self.config, self.group = layers, moe, config, group
+        self.layers, self.window, self.moe, self.config, self.group = layers, window, moe, config, group
         self.rank = dist.get_rank(group)
-        self.window = ExpertLoadWindow(len(layers), moe.num_experts, config.load_window_steps)
         self._read = read_experts
         self._objective: Objective = "active_experts" if config.balance_objective == "active_experts" else "tokens"
         uniform = [1.0] * moe.num_experts  # before any load is known: spread the redundant slots evenly
@@ -59,12 +51,6 @@ class ExpertRebalancer:
         return ExpertMap(self.placements[layer].physical_to_logical, self.config.size)
 
     # ---- statistics ----------------------------------------------------------------------------
-
-    def record_step(self) -> None:
-        """The tokens the last step routed, per layer and expert (this rank's own tokens)."""
-        for i, layer in enumerate(self.layers):
-            self.window.record(i, layer.block.take_token_counts().tolist())
-        self.window.end_step()
 
     def group_load(self) -> list[list[int]]:
         """The window's counts summed over every rank (a collective: every rank calls it in the same step)."""

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from kvbaton.config import ConfigError, ExpertParallelConfig
-from kvbaton.engine.expert_balance import ExpertRebalancer, MoELayer
+from kvbaton.engine.expert_balance import ExpertRebalancer
+from kvbaton.engine.expert_stats import ExpertStats
 from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.models.loader import read_experts
 
@@ -43,15 +43,12 @@ class ExpertParallelGroup:
         self._hidden_size = 0
         self._dtype = torch.float32
 
-    def shard(self, model: nn.Module, model_dir: Path, hidden_size: int) -> None:
+    def shard(self, stats: ExpertStats, model_dir: Path, hidden_size: int) -> None:
         """Keep this rank's expert slots of every MoE layer (EPLB's first placement: before any load is known,
         the redundant slots spread evenly) and exchange tokens with the other ranks in each."""
-        layers = [MoELayer(i, layer.mlp) for i, layer in enumerate(getattr(model, "layers", []))
-                  if isinstance(layer.mlp, SparseMoeBlock)]
-        if not layers:
-            raise ConfigError("expert parallelism needs a model with sparse-expert (MoE) layers")
+        layers = stats.layers
         dtype = layers[0].block.experts.down_proj.dtype
-        self.rebalancer = ExpertRebalancer(layers, layers[0].block.moe, self.config, self.group,
+        self.rebalancer = ExpertRebalancer(layers, stats.window, layers[0].block.moe, self.config, self.group,
                                            functools.partial(read_experts, model_dir, dtype=dtype))
         for i, layer in enumerate(layers):
             layer.block.use_expert_parallel(self.group, self.rebalancer.expert_map(i), self.config.int8_dispatch)
@@ -65,8 +62,7 @@ class ExpertParallelGroup:
         every rank: then it is swapped in, before this step's forward); with tokens elsewhere but none here,
         run this rank's part of every MoE exchange now. Returns whether this rank runs its own forward."""
         rebalancer = self.rebalancer
-        if self.group_busy:  # the last step ran: its routed tokens go into the load window
-            rebalancer.record_step()
+        if self.group_busy:  # the last step ran (the core put its routed tokens into the load window)
             self.busy_steps += 1
             interval = self.config.rebalance_interval_steps
             if interval and self.busy_steps % interval == 0:
@@ -89,6 +85,12 @@ class ExpertParallelGroup:
         loader = self.rebalancer._loader
         if loader is not None:
             loader.join()
+
+    def load_fields(self) -> dict[str, object]:
+        """This rank's part of `ExpertLoad` (kvbaton.engine.info)."""
+        return dict(ep_size=self.config.size, ep_rank=self.config.rank, rows_computed=self.rows_computed,
+                    bytes_sent=self.bytes_sent, rebalances=self.rebalancer.rebalances,
+                    placement=tuple(p.physical_to_logical for p in self.rebalancer.placements))
 
     @property
     def rows_computed(self) -> int:

@@ -28,6 +28,34 @@ class EngineInfo:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExpertLoad:
+    """A MoE model's routed tokens per layer and expert over the last `steps` steps (a worker's own requests;
+    summed: a pool's), and, for an expert-parallel rank, where its group holds the experts (EPLB)."""
+
+    layers: tuple[int, ...]  # the decoder layer of each MoE layer
+    counts: tuple[tuple[int, ...], ...]  # [MoE layer][expert]
+    window_steps: int
+    steps: int  # recorded in the window (at most window_steps)
+    ep_size: int = 1
+    ep_rank: int = 0
+    placement: tuple[tuple[int, ...], ...] = ()  # EP: per MoE layer, the expert each slot of the group holds
+    rows_computed: int = 0  # EP: token-expert pairs this rank's experts computed (for other ranks too)
+    bytes_sent: int = 0  # EP: bytes this rank's MoE exchanges sent to other ranks
+    rebalances: int = 0  # EP: placements EPLB swapped in
+
+    @classmethod
+    def total(cls, parts: list[ExpertLoad]) -> ExpertLoad | None:
+        """Counts summed over workers of the same model (the per-rank fields stay with each worker)."""
+        if not parts:
+            return None
+        first = parts[0]
+        counts = tuple(tuple(sum(p.counts[i][e] for p in parts) for e in range(len(row)))
+                       for i, row in enumerate(first.counts))
+        return cls(layers=first.layers, counts=counts, window_steps=first.window_steps,
+                   steps=max(p.steps for p in parts))
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineStats:
     """One engine's (or, summed, one pool's) load and cache counters, as of its last step."""
 
@@ -41,6 +69,7 @@ class EngineStats:
     num_preemptions: int = 0
     kv_store_hit_tokens: int = 0  # prompt tokens loaded from the KV store instead of computed
     kv_store: tuple[TierStats, ...] = ()  # per tier, fastest first
+    expert_load: ExpertLoad | None = None  # MoE models only
 
     @classmethod
     def total(cls, parts: list[EngineStats], cache_parts: list[EngineStats] | None = None) -> EngineStats:
@@ -59,6 +88,7 @@ class EngineStats:
                    num_preemptions=sum(s.num_preemptions for s in parts),
                    kv_store_hit_tokens=sum(s.kv_store_hit_tokens for s in cache),
                    kv_store=merge_tier_stats([t for s in cache for t in s.kv_store]))
+        # NOTE: no expert_load: summed on every step it would cost layers x experts adds; GET /experts sums it
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,4 +1,5 @@
-"""`GET /workers` (topology and load) and the elastic-pool admin endpoints (`/admin/workers`).
+"""`GET /workers` (topology and load), `GET /experts` (MoE load and placement) and the elastic-pool admin
+endpoints (`/admin/workers`).
 
 Who may call them is `guards.AdminAccess`'s decision, made before a request gets here.
 """
@@ -53,6 +54,13 @@ def add_worker_routes(app: FastAPI, client: EngineClient, max_workers: int) -> N
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
         return {"workers": client.workers_view()}
+
+    @app.get("/experts")
+    async def experts() -> dict[str, Any]:
+        view = client.expert_view()
+        if view is None:
+            raise ApiError(404, "this model has no sparse-expert (MoE) layers", "NotFoundError")
+        return view
 
     @app.post("/admin/workers")
     async def add_worker(req: AddWorkerRequest) -> dict[str, str]:

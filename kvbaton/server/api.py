@@ -289,6 +289,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        server.metrics.observe_experts(client.expert_view())  # on scrape: a MoE pool's load is layers x experts
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")

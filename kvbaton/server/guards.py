@@ -29,7 +29,7 @@ from kvbaton.server.errors import HttpError
 EMPTY: Mapping[str, tuple[int, str]] = MappingProxyType({})
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
-ADMIN_PATHS = ("/admin", "/workers")
+ADMIN_PATHS = ("/admin", "/workers", "/experts")  # /experts: routing statistics say something of the traffic
 
 
 def is_loopback(host: str) -> bool:

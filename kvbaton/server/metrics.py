@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbaton.engine.info import EngineStats
@@ -59,6 +61,12 @@ class ServerMetrics:
         self.store_hit_tokens = gauge("kv_store_hit_tokens", "Prompt tokens loaded from the KV store tiers since start")
         self.tier = {name: Gauge(f"kvbaton:kv_store_{name}", doc, labels + ["tier"], registry=self.registry)
                      for name, doc in _TIER_GAUGES.items()}
+        # NOTE: one series per MoE layer and expert (e.g. 48 x 128 for a Qwen3-MoE-30B): what EPLB balances
+        self.expert_tokens = Gauge("kvbaton:expert_tokens", "Tokens routed to each expert over the load window",
+                                   labels + ["layer", "expert"], registry=self.registry)
+        self.expert_balancedness = Gauge("kvbaton:expert_balancedness", "Mean over max expected tokens per rank of "
+                                         "an expert-parallel group, per MoE layer (1: even)",
+                                         labels + ["ep_group", "layer"], registry=self.registry)
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self._model
@@ -72,6 +80,18 @@ class ServerMetrics:
         for tier in stats.kv_store:
             for name, gauge in self.tier.items():
                 gauge.labels(m, tier.name).set(getattr(tier, name))
+
+    def observe_experts(self, view: dict[str, Any] | None) -> None:
+        """`GET /experts`'s figures as gauges: tokens per layer and expert, balancedness per EP group and layer."""
+        if view is None:
+            return
+        m = self._model
+        for layer, row in zip(view["layers"], view["tokens"]):
+            for expert, tokens in enumerate(row):
+                self.expert_tokens.labels(m, str(layer), str(expert)).set(tokens)
+        for group in view["groups"]:
+            for layer, balance in zip(view["layers"], group["balancedness"]):
+                self.expert_balancedness.labels(m, group["ep_group"], str(layer)).set(balance)
 
     def observe_token(self, gap_s: float | None) -> None:
         if gap_s is not None:

@@ -1,5 +1,5 @@
-"""Expert parallelism across processes (gloo): EP2 and EP4 ranks, each with its own requests and a share of
-every MoE layer's experts, give exactly the single-process (EP1) greedy output; a rank with fewer requests
+"""Expert parallelism across processes (gloo): EP2 and EP4 ranks (tiny Qwen3-MoE and DeepSeek-V3), each with
+its own requests and a share of every MoE layer's experts, give exactly the single-process (EP1) greedy output; a rank with fewer requests
 keeps stepping (empty batches) until every rank is done; int8 dispatch is measured against exact."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY_VOCAB, greedy
+from helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
 
 from kvbaton import LLM
 from kvbaton.kv.processes import free_port
@@ -54,18 +54,34 @@ def _outputs(results: list[dict], index: int = 0) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ep1_reference(tiny_moe_models):
+def ep_models(tiny_moe_models, tmp_path_factory):
+    return {"qwen3_moe": tiny_moe_models["qwen3_moe"],
+            "deepseek_v3": build_deepseek_checkpoint(tmp_path_factory.mktemp("ep-deepseek") / "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def ep1_references(ep_models):
     prompts = _prompts(9)
-    llm = LLM(str(tiny_moe_models["qwen3_moe"]), dtype="float32", num_threads=1, block_size=4)
-    return prompts, greedy(llm, MAX_NEW, prompts)
+    refs = {}
+    for arch, model in ep_models.items():
+        refs[arch] = greedy(LLM(str(model), dtype="float32", num_threads=1, block_size=4), MAX_NEW, prompts)
+    return prompts, refs
 
 
+@pytest.fixture(scope="module")
+def ep1_reference(ep1_references):
+    prompts, refs = ep1_references
+    return prompts, refs["qwen3_moe"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("size", [2, 4])
-def test_expert_parallel_equals_one_process(tiny_moe_models, ep1_reference, size):
-    prompts, reference = ep1_reference
+def test_expert_parallel_equals_one_process(ep_models, ep1_references, arch, size):
+    prompts, references = ep1_references
+    reference = references[arch]
     # NOTE: uneven shares (rank 0 gets most), so the other ranks run out early and join with empty batches
     shares = [prompts[: len(prompts) - size + 1]] + [[p] for p in prompts[len(prompts) - size + 1:]]
-    results = _run_group(tiny_moe_models["qwen3_moe"], shares)
+    results = _run_group(ep_models[arch], shares)
     assert _outputs(results) == reference
     assert all(r["bytes_sent"] > 0 for r in results)  # every rank's experts served other ranks' tokens
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_VOCAB, build_tiny_tokenizer, hf_greedy
+from helpers import TINY_VOCAB, build_deepseek_checkpoint, hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError, ModelConfig
@@ -31,35 +31,6 @@ VARIANTS = {
     "plain_q": {"q_lora_rank": None, "attention_bias": True, "rope_interleave": False},
     "yarn": {"rope_parameters": YARN},
 }
-
-
-def build_deepseek_checkpoint(out_dir: Path, seed: int = 0, **overrides: object) -> Path:
-    """A random-weight DeepSeek-V3 saved with transformers (fp32), weights large enough that outputs are not
-    degenerate, router correction biases and norm weights random so each matters."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
-
-    kwargs: dict = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
-        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
-        qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256, initializer_range=0.2,
-        eos_token_id=None, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(DeepseekV3Config(**kwargs), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-            elif "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.3 * torch.rand_like(buf))
-    model.save_pretrained(str(out_dir))
-    build_tiny_tokenizer(out_dir)
-    return out_dir
 
 
 def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
