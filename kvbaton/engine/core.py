@@ -247,9 +247,9 @@ class EngineCore:
         except Exception as exc:
             self.kv_cache.forget_new_blocks()  # never computed: neither the prefix cache nor the store may keep them
             self._consecutive_step_failures += 1
-            # NOTE: an expert-parallel rank that failed mid-forward has left its group's exchanges out of step:
-            # only tearing the group down recovers it
-            if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES or self.expert_parallel:
+            if self.expert_parallel is not None:
+                self.expert_parallel.finish_failed_step()  # the other ranks' step must complete too
+            if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))
         self._consecutive_step_failures = 0

@@ -20,6 +20,7 @@ from kvbaton.config import ConfigError, ExpertParallelConfig
 from kvbaton.engine.expert_balance import ExpertRebalancer
 from kvbaton.engine.expert_stats import ExpertStats
 from kvbaton.layers.moe.block import SparseMoeBlock
+from kvbaton.layers.moe.dispatch import AllToAllDispatch
 from kvbaton.models.loader import read_experts
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class ExpertParallelGroup:
         # step (the others may need it there)
         self.group_busy = True
         self.busy_steps = 0
+        self._step_marks: list[int] = []  # each layer's exchanges begun before this step
         self._blocks: list[SparseMoeBlock] = []
         self._hidden_size = 0
         self._dtype = torch.float32
@@ -73,10 +75,25 @@ class ExpertParallelGroup:
         if rebalancer.pending and not flags[1]:
             rebalancer.apply()
         self.group_busy = bool(flags[0])
+        self._step_marks = [d.exchanges_started for d in self._dispatchers()]
         if self.group_busy and not has_tokens:
             for block in self._blocks:
                 block.idle_exchange(self._hidden_size, self._dtype)
         return has_tokens
+
+    def finish_failed_step(self) -> None:
+        """This rank's forward raised (a fault in its own batch): do the MoE exchanges it had not reached yet,
+        with nothing to send, so the other ranks' step completes and the group stays in step; the caller then
+        fails this rank's batch as a single engine would. RuntimeError if an exchange itself broke half-way:
+        the group is out of step and only tearing it down recovers it."""
+        for block, dispatcher, mark in zip(self._blocks, self._dispatchers(), self._step_marks):
+            if dispatcher.exchanges_started != dispatcher.exchanges_finished:
+                raise RuntimeError("an expert-parallel exchange broke half-way; the group is out of step")
+            if dispatcher.exchanges_started == mark:
+                block.idle_exchange(self._hidden_size, self._dtype)
+
+    def _dispatchers(self) -> list[AllToAllDispatch]:
+        return [b.dispatcher for b in self._blocks if b.dispatcher is not None]
 
     def rebalance_now(self) -> None:
         """Plan a new placement from the load so far and copy its weights; it takes effect at the next step.

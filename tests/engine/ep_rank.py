@@ -20,17 +20,37 @@ def main() -> None:
     group = llm.engine.core.expert_parallel
     assert group is not None
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
+    if job.get("fault_token") is not None:
+        _inject_fault(llm, job["fault_token"])
     results = []
     for prompts in job["prompt_sets"]:
         before = group.rows_computed
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         results.append({"outputs": [list(o.outputs[0].token_ids) for o in outs],
+                        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
                         "rows_computed": group.rows_computed - before})
         if job.get("rebalance"):
             group.rebalance_now()
     llm.engine.check_integrity()
     print(json.dumps({"sets": results, "bytes_sent": group.bytes_sent, "rebalances": group.rebalancer.rebalances}))
     group.close()
+
+
+def _inject_fault(llm: LLM, token: int) -> None:
+    """A kernel fault in this rank's second decoder layer (after the first MoE layer's exchange), in every step
+    whose batch holds `token`: mid-forward, as a real fault would strike."""
+    model = llm.engine.core.runner.model
+    batch: dict[str, bool] = {}
+
+    def note_batch(module, args):
+        batch["faulty"] = bool((args[0] == token).any())
+
+    def fail(module, args):
+        if batch.get("faulty"):
+            raise RuntimeError("injected kernel fault")
+
+    model.register_forward_pre_hook(note_batch)
+    model.layers[1].register_forward_pre_hook(fail)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Expert parallelism across processes (gloo): EP2 and EP4 ranks (tiny Qwen3-MoE and DeepSeek-V3), each with
-its own requests and a share of every MoE layer's experts, give exactly the single-process (EP1) greedy output; a rank with fewer requests
-keeps stepping (empty batches) until every rank is done; int8 dispatch is measured against exact."""
+its own requests and a share of every MoE layer's experts, give exactly the single-process (EP1) greedy
+output; a rank with fewer requests keeps stepping (empty batches) until every rank is done; a fault in one
+rank's forward fails only its batch; EPLB balances a skewed load; int8 dispatch is measured against exact."""
 
 from __future__ import annotations
 
@@ -150,3 +151,22 @@ def test_eplb_balances_a_skewed_load_and_keeps_outputs(tmp_path):
         got = {tuple(p): out for r, share in zip(results, shares) for p, out in zip(share[index],
                                                                                       r["sets"][index]["outputs"])}
         assert [got[tuple(p)] for p in prompts] == reference[index]
+
+
+def test_a_rank_whose_step_raises_fails_only_its_batch_and_the_group_goes_on(ep_models, ep1_references):
+    """A fault mid-forward on rank 1 (after the first MoE layer's exchange): rank 1 does its remaining exchanges
+    empty, fails its batch (that request ends aborted), and both ranks go on; every other request equals EP1."""
+    prompts, references = ep1_references
+    reference = dict(zip(map(tuple, prompts), references["qwen3_moe"]))
+    marker = 999 % TINY_VOCAB
+    assert all(marker not in p + out for p, out in reference.items() for p in [list(p)]), "pick another marker"
+    fault = [marker] + prompts[0][1:]
+    shares = [[prompts[:2], prompts[2:4], prompts[4:6]], [prompts[6:8], [fault], prompts[8:]]]
+    results = _run_group(ep_models["qwen3_moe"], shares, fault_token=marker)
+    [faulty] = results[1]["sets"][1]["finish_reasons"]
+    assert faulty == "abort"
+    for rank, share in enumerate(shares):
+        for index, prompt_set in enumerate(share):
+            if (rank, index) == (1, 1):
+                continue
+            assert results[rank]["sets"][index]["outputs"] == [reference[tuple(p)] for p in prompt_set]

@@ -80,6 +80,8 @@ class AllToAllDispatch:
         self.int8_wire = int8_wire
         self.bytes_sent = 0  # dispatch + combine payload this rank sent to other ranks (statistics)
         self.rows_computed = 0  # token-expert pairs this rank's experts computed (its share of the layer's work)
+        # exchanges begun and finished: equal unless one broke half-way (then the group is out of step)
+        self.exchanges_started = self.exchanges_finished = 0
 
     def swap(self, experts: GroupedExperts, expert_map: ExpertMap) -> None:
         """Take a new placement (EPLB) with this rank's new slots' weights; between steps, on every rank at once."""
@@ -113,6 +115,7 @@ class AllToAllDispatch:
 
     def _exchange(self, rows: torch.Tensor, local_slots: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
         """Send each row to its slot's rank, run what arrives through the local experts, send the results back."""
+        self.exchanges_started += 1
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
@@ -121,7 +124,9 @@ class AllToAllDispatch:
         computed = self._local_experts(arrived, arrived_slots)
         self.bytes_sent += (_remote_bytes(rows, send, self.rank, self.int8_wire)
                             + _remote_bytes(computed, recv, self.rank))
-        return self._all_to_all(computed, recv, send)
+        out = self._all_to_all(computed, recv, send)
+        self.exchanges_finished += 1
+        return out
 
     def _all_to_all_rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         if not self.int8_wire:
