@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ class ExpertParallelGroup:
         # step (the others may need it there)
         self.group_busy = True
         self.busy_steps = 0
+        self.last_busy = time.monotonic()  # when a step last ran on some rank of the group
         self._step_marks: list[int] = []  # each layer's exchanges begun before this step
         self._blocks: list[SparseMoeBlock] = []
         self._hidden_size = 0
@@ -75,6 +77,8 @@ class ExpertParallelGroup:
         if rebalancer.pending and not flags[1]:
             rebalancer.apply()
         self.group_busy = bool(flags[0])
+        if self.group_busy:
+            self.last_busy = time.monotonic()
         self._step_marks = [d.exchanges_started for d in self._dispatchers()]
         if self.group_busy and not has_tokens:
             for block in self._blocks:
