@@ -9,7 +9,6 @@ import pytest
 from helpers import MOE_ARCHS, TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
-from kvbaton.layers.moe.block import SparseMoeBlock
 
 MAX_NEW = 12
 
@@ -45,7 +44,7 @@ def test_small_chunked_prefill_matches(tiny_moe_models, references, arch):
     assert _generate(llm, prompts) == refs[arch]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_preemption_with_tiny_pool_matches(tiny_moe_models, references, arch):
     prompts, refs = references
     llm = LLM(str(tiny_moe_models[arch]), dtype="float32", block_size=4, num_blocks=32)
@@ -53,7 +52,7 @@ def test_preemption_with_tiny_pool_matches(tiny_moe_models, references, arch):
     assert llm.engine.stats().num_preemptions > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_prefix_cache_hits_match(tiny_moe_models, arch):
     shared = _prompts(1, [40])[0]
     prompts = [shared + tail for tail in _prompts(2, [5, 9, 1])]
@@ -65,17 +64,15 @@ def test_prefix_cache_hits_match(tiny_moe_models, arch):
 
 
 def test_every_routed_token_is_counted(tiny_moe_models):
-    """The MoE blocks count each token k times per MoE layer: the load statistics EPLB plans from."""
+    """The engine's expert load window counts each token k times per MoE layer: what EPLB plans from and
+    `GET /experts` shows."""
     llm = LLM(str(tiny_moe_models["qwen2_moe"]), dtype="float32")
-    blocks = [m for m in llm.engine.core.runner.model.modules() if isinstance(m, SparseMoeBlock)]
-    assert len(blocks) == 2  # three layers, layer 1 dense (mlp_only_layers)
-    for block in blocks:
-        block.take_token_counts()
     prompt = _prompts(4, [20])[0]
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    load = llm.engine.stats().expert_load
+    assert load is not None and load.layers == (0, 2)  # three layers, layer 1 dense (mlp_only_layers)
     computed = len(prompt) + 5 - 1  # the last sampled token is never fed back
-    for block in blocks:
-        counts = block.take_token_counts()
-        assert int(counts.sum()) == computed * block.moe.top_k
-        assert int((counts > 0).sum()) > 2  # routing spreads over experts
-        assert int(block.take_token_counts().sum()) == 0
+    assert load.steps == 5  # the prompt's step and four decodes
+    for row in load.counts:
+        assert sum(row) == computed * 2  # top-2
+        assert sum(1 for tokens in row if tokens) > 2  # routing spreads over experts
