@@ -24,6 +24,7 @@ import torch.distributed as dist
 from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
 
 SCALE_BYTES = 4  # an int8 row's fp32 scale rides after its codes
+SLOT_BYTES = 8  # a row's slot id (int64) rides after the row
 
 
 @dataclass(frozen=True)
@@ -114,24 +115,34 @@ class AllToAllDispatch:
         self._exchange(empty, torch.empty(0, dtype=torch.int64), torch.zeros(self.world, dtype=torch.int64))
 
     def _exchange(self, rows: torch.Tensor, local_slots: torch.Tensor, send_counts: torch.Tensor) -> torch.Tensor:
-        """Send each row to its slot's rank, run what arrives through the local experts, send the results back."""
+        """Send each row to its slot's rank, run what arrives through the local experts, send the results back:
+        three all-to-alls (the counts, then each row with its slot id in one payload, then the results)."""
         self.exchanges_started += 1
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send, recv = send_counts.tolist(), recv_counts.tolist()
-        arrived_slots = self._all_to_all(local_slots, send, recv)
-        arrived = self._all_to_all_rows(rows, send, recv)
+        payload = self._pack(rows, local_slots)
+        arrived, arrived_slots = self._unpack(self._all_to_all(payload, send, recv), rows.dtype, rows.shape[1])
         computed = self._local_experts(arrived, arrived_slots)
-        self.bytes_sent += (_remote_bytes(rows, send, self.rank, self.int8_wire)
-                            + _remote_bytes(computed, recv, self.rank))
+        self.bytes_sent += _remote_bytes(payload, send, self.rank) + _remote_bytes(computed, recv, self.rank)
         out = self._all_to_all(computed, recv, send)
         self.exchanges_finished += 1
         return out
 
-    def _all_to_all_rows(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        if not self.int8_wire:
-            return self._all_to_all(rows, send, recv)
-        return dequantize_rows(self._all_to_all(quantize_rows(rows), send, recv), rows.dtype)
+    def _pack(self, rows: torch.Tensor, local_slots: torch.Tensor) -> torch.Tensor:
+        """[N, H] rows (int8 codes + scale on an int8 wire) and their [N] slot ids as one [N, bytes] payload."""
+        codes = (quantize_rows(rows) if self.int8_wire else rows).contiguous()
+        as_bytes = codes.view(torch.uint8).reshape(rows.shape[0], codes.shape[1] * codes.element_size())
+        slot_bytes = local_slots.to(torch.int64).contiguous().view(torch.uint8).reshape(rows.shape[0], SLOT_BYTES)
+        return torch.cat((as_bytes, slot_bytes), dim=1)
+
+    def _unpack(self, payload: torch.Tensor, dtype: torch.dtype, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # NOTE: a flat copy: an empty slice keeps its storage offset and strides, which an int64 view refuses
+        body, slot_bytes = payload[:, :-SLOT_BYTES].contiguous(), payload[:, -SLOT_BYTES:].reshape(-1).clone()
+        slots = slot_bytes.view(torch.int64)
+        if self.int8_wire:
+            return dequantize_rows(body.view(torch.int8), dtype), slots
+        return body.view(dtype).reshape(payload.shape[0], hidden), slots
 
     def _all_to_all(self, tensor: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         out = tensor.new_empty((sum(recv), *tensor.shape[1:]))
@@ -148,10 +159,9 @@ class AllToAllDispatch:
         return self.experts(rows, ExpertGroups.of(local_slots.unsqueeze(1), ones, self.map.slots_per_rank))
 
 
-def _remote_bytes(rows: torch.Tensor, counts: list[int], rank: int, int8: bool = False) -> int:
-    remote_rows = sum(counts) - counts[rank]
-    row_bytes = rows.shape[1] + SCALE_BYTES if int8 else rows.shape[1] * rows.element_size()
-    return remote_rows * row_bytes
+def _remote_bytes(rows: torch.Tensor, counts: list[int], rank: int) -> int:
+    """Bytes of the rows that go to other ranks (a rank's own rows never leave it)."""
+    return (sum(counts) - counts[rank]) * rows.shape[1] * rows.element_size()
 
 
 def quantize_rows(rows: torch.Tensor) -> torch.Tensor:
