@@ -103,8 +103,9 @@ class AllToAllDispatch:
         outputs = self._exchange(x[tokens[order]], slots[order] % per, send_counts)
         rows = torch.empty_like(outputs)
         rows[order] = outputs  # back in assignment order
-        # NOTE: weighted and summed exactly as one process does (GroupedExperts: by expert id, token order
-        # kept), so EP output equals EP1's bit for bit when each expert's rows do.
+        # NOTE: weighted and summed as one process's PyTorch path does (by expert id, token order kept), so EP
+        # output equals EP1's bit for bit when each expert's rows do (fp32; a bf16 engine's C kernel fuses its
+        # combine differently, so there EP and EP1 agree to bf16 rounding only).
         by_expert = torch.argsort(flat, stable=True)
         weighted = rows[by_expert].mul_(weights.flatten()[by_expert].to(rows.dtype).unsqueeze(1))
         return torch.zeros_like(x).index_add_(0, by_expert // ids.shape[1], weighted)
