@@ -86,6 +86,7 @@ class ExpertRebalancer:
             assert dispatcher is not None
             expert_map = ExpertMap(placement.physical_to_logical, self.config.size)
             experts = stacked_experts(gate_up, down)
+            experts.kernel = layer.block.experts.kernel  # the new stacks are in its layout already
             layer.block.experts = experts
             dispatcher.swap(experts, expert_map)
         self.placements, self._planned, self._weights, self._loader = self._planned, None, [], None
@@ -114,6 +115,8 @@ class ExpertRebalancer:
                 down[i].copy_(current.down_proj[source])
         if moved:
             read_up, read_down = self._read(layer.index, [wanted[i] for i in moved])
+            if current.kernel is not None:  # the kept slots are in the kernel's layout (packed per expert)
+                current.kernel.pack_(read_up, read_down)
             for j, i in enumerate(moved):
                 gate_up[i].copy_(read_up[j])
                 down[i].copy_(read_down[j])

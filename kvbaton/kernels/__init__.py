@@ -18,6 +18,7 @@ from kvbaton.kernels.linear import (
     pack_linear,
     small_batch_linear,
 )
+from kvbaton.kernels.moe import MoEExpertsKernel, MoERouteKernel, moe_experts_kernel, moe_route_kernel
 from kvbaton.kernels.norm import AddRMSNorm, add_rms_norm_kernel
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "AMXLinear",
     "AddRMSNorm",
     "DotLinear",
+    "MoEExpertsKernel",
+    "MoERouteKernel",
     "PackedLinear",
     "PagedDecodeKernel",
     "PagedPrefillKernel",
@@ -33,6 +36,8 @@ __all__ = [
     "copy_rows_kernel",
     "cpu_kernels",
     "dot_linear",
+    "moe_experts_kernel",
+    "moe_route_kernel",
     "pack_amx",
     "pack_linear",
     "paged_decode_kernel",

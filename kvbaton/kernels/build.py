@@ -24,7 +24,7 @@ from kvbaton.paths import kernels_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c",
-           "linear_dot.c", "gemm_amx.c")
+           "linear_dot.c", "gemm_amx.c", "moe_experts.c")
 HEADERS = ("vec8.h",)
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C signatures: name -> (return type, argument types); the sources document each argument.
@@ -38,6 +38,8 @@ SIGNATURES = {
     "kvbaton_linear_dot": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i, _i]),
     "kvbaton_gemm_amx": (_i, [_p, _p, _p, _p, _i, _i64, _i64, _i64, _i]),
     "kvbaton_amx_enable": (_i, []),
+    "kvbaton_moe_experts": (_i, [_p, _p, _p, _p, _p, _p, _i64, _i, _i64, _i64, _i64, _i, _i, _i]),
+    "kvbaton_moe_route": (_i, [_p, _p, _i64, _i64, _i64, _i, _i, _i, _i, _p, _p]),
 }
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")

@@ -1,7 +1,11 @@
-"""Apply a `ComputePlan` (kvbaton.platform.compute) to a model: give each linear, norm and MLP the
-code its row of the table names. Attention's choice is the model runner's (it builds the metadata)."""
+"""Apply a `ComputePlan` (kvbaton.platform.compute) to a model: give each linear, norm, MLP and MoE layer's
+routed experts the code its row of the table names. Attention's choice is the model runner's (it builds the
+metadata)."""
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 from torch import nn
@@ -9,10 +13,23 @@ from torch import nn
 from kvbaton.config import ConfigError
 from kvbaton.kernels import add_rms_norm_kernel, dot_linear, pack_amx, pack_linear, small_batch_linear
 from kvbaton.kernels.linear import DotLinear, SmallBatchLinear
+from kvbaton.kernels.moe import (
+    GATE_MAX_ROWS,
+    ISA_AMX,
+    ISA_AVX2,
+    ISA_AVX512_BF16,
+    MoEExpertsKernel,
+    moe_experts_kernel,
+    moe_route_kernel,
+)
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
+from kvbaton.layers.moe.experts import GroupedExperts
+from kvbaton.layers.moe.router import TopKRouter
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.platform.compute import ComputePlan
+
+log = logging.getLogger(__name__)
 
 # NOTE: measured on a 2-core AVX2 EPYC: an (emulated) bf16 GEMM loses to fp32 from ~16 rows on.
 UPCAST_MIN_ROWS = 16
@@ -21,6 +38,15 @@ FP32_WEIGHT_COPY_MAX_BYTES = 2**30
 # The AMX GEMM keeps its own tile-packed copy of each weight (the original stays for the dot kernel and the
 # embedding): up to this size; a bigger model computes many rows in oneDNN (deterministic: the dot kernel).
 AMX_WEIGHT_COPY_MAX_BYTES = 4 * 2**30
+# The routed experts of bf16 MoE models: kvbaton's C kernel (moe_experts.c), in the instruction set of the row,
+# over the stacked expert weights packed in place (no extra copy), and their softmax gate (logits, softmax, top-k)
+# in one C call; fp32 models and the onednn / torch rows keep PyTorch (fp32: the parity oracle's sums).
+MOE_KERNEL_ISA = {"amx": ISA_AMX, "avx512-bf16": ISA_AVX512_BF16, "avx2": ISA_AVX2}
+# KVBATON_MOE_KERNEL=0: PyTorch's expert loop on every row (benchmarks compare the two with it).
+MOE_KERNEL_ENV = "KVBATON_MOE_KERNEL"
+# amx: experts with at least this many rows in a step run on AMX tiles, fewer through the vdpbf16ps dot tile
+# (a few rows are a pass over the weights); deterministic mode: tiles for every count (batch-invariant).
+AMX_MOE_MIN_ROWS = 4
 
 
 def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
@@ -29,6 +55,11 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
     rows_kernel = _rows_kernel(plan)
     norm_kernel = add_rms_norm_kernel() if plan.norm == "c" else None
     gated = set()  # gate/up projections computed by their MLP's fused kernel: no plain packed copy
+    moe_kernel = _moe_kernel(plan)
+    # the gate: up to GATE_MAX_ROWS tokens (PyTorch beyond), every count in deterministic mode (batch-invariant)
+    route_kernel = None if moe_kernel is None else moe_route_kernel(moe_kernel.isa, None if plan.deterministic
+                                                                    else GATE_MAX_ROWS)
+    moe_layers = 0
     for module in model.modules():
         if isinstance(module, MLP):
             proj = module.gate_up_proj
@@ -40,10 +71,27 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
         elif isinstance(module, RMSNorm):
             suits = norm_kernel is not None and norm_kernel.supports_weight(module.weight)
             module.kernel = norm_kernel if suits else None
+        elif isinstance(module, GroupedExperts) and module.kernel is None:
+            if moe_kernel is not None and moe_kernel.supports(module.gate_up_proj, module.down_proj):
+                module.use_kernel(moe_kernel)
+                moe_layers += 1
+        elif isinstance(module, TopKRouter):
+            softmax = module.moe.scoring == "softmax"
+            suits = route_kernel is not None and softmax and route_kernel.supports(module.weight)
+            module.kernel = route_kernel if suits else None
+    if moe_kernel is not None and moe_layers:
+        log.info("MoE experts: C kernel (%s) in %d layers, weights packed in place", moe_kernel.name, moe_layers)
     for module in model.modules():
         if isinstance(module, Linear):
             _apply_to_linear(module, plan, rows_kernel, keep_fp32, packed=module not in gated,
                              tiles_fit=weight_bytes <= AMX_WEIGHT_COPY_MAX_BYTES)
+
+
+def _moe_kernel(plan: ComputePlan) -> MoEExpertsKernel | None:
+    isa = MOE_KERNEL_ISA.get(plan.path)
+    if plan.dtype != "bfloat16" or isa is None or os.environ.get(MOE_KERNEL_ENV, "1") == "0":
+        return None
+    return moe_experts_kernel(isa, amx_min_rows=1 if plan.deterministic else AMX_MOE_MIN_ROWS)
 
 
 def _rows_kernel(plan: ComputePlan) -> SmallBatchLinear | DotLinear | None:

@@ -15,9 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbaton.config import MoEConfig
+from kvbaton.kernels.moe import MoERouteKernel
 
 
 class TopKRouter(nn.Module):
+    # softmax scoring of a bf16 model in one C call (kvbaton/kernels/moe_experts.c), set by apply_compute_plan
+    kernel: MoERouteKernel | None = None
+
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
@@ -30,6 +34,8 @@ class TopKRouter(nn.Module):
         """x: [T, H] -> (weights [T, k] float32, expert ids [T, k] int64)."""
         if self.moe.scoring == "sigmoid":
             return self._sigmoid_grouped(F.linear(x.float(), self.weight.float()))
+        if self.kernel is not None and x.dtype == torch.bfloat16 and self.kernel.handles_rows(x):
+            return self.kernel(x, self.weight, self.moe.top_k, self.moe.norm_topk_prob)
         return self._softmax(F.linear(x, self.weight).float())
 
     def _softmax(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
