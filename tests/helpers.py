@@ -26,7 +26,7 @@ def build_tiny_tokenizer(out_dir: Path) -> None:
 
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Random-weight Llama / Qwen2 / Qwen3 saved with transformers (fp32)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -45,15 +45,41 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
         cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
+    return save_random_checkpoint(cfg, out_dir, seed)
+
+
+def save_random_checkpoint(cfg, out_dir: Path, seed: int) -> Path:
+    """`cfg`'s model with random weights (and random biases: they default to zero), saved fp32 with the tiny
+    tokenizer."""
+    from transformers import AutoModelForCausalLM
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # biases default to zero; make them matter
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.2)
     model.save_pretrained(str(out_dir))
     build_tiny_tokenizer(out_dir)
     return out_dir
+
+
+def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    """Random token ids (1 .. TINY_VOCAB - 1) of the given lengths."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in lengths]
+
+
+def greedy_checked(llm, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """An offline `LLM`'s greedy outputs (stopping at EOS), then its integrity check and an empty pool."""
+    from kvbaton import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new))
+    llm.engine.check_integrity()
+    assert llm.engine.kv_cache.pool.usage() == 0.0, "blocks still referenced after all requests finished"
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int,
@@ -127,7 +153,7 @@ def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Random-weight sparse-expert models saved with transformers (fp32): 8 experts, top-2 (Mixtral,
     Qwen2-MoE with a gated shared expert and one dense layer, Qwen3-MoE with norm_topk_prob, OLMoE with its
     whole-q/k norm and clip_qkv). Weights are large enough (std 0.2) that routing differs per token."""
-    from transformers import AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
@@ -145,15 +171,7 @@ def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
         cfg = OlmoeConfig(**common, intermediate_size=32, num_experts=8, clip_qkv=1.5)
     else:
         raise ValueError(arch)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # biases default to zero; make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0, 0.2)
-    model.save_pretrained(str(out_dir))
-    build_tiny_tokenizer(out_dir)
-    return out_dir
+    return save_random_checkpoint(cfg, out_dir, seed)
 
 
 def build_deepseek_checkpoint(out_dir: Path, seed: int = 0, **overrides: object) -> Path:

@@ -20,6 +20,7 @@ from kvbaton.layers.mlp import MLP
 from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding, yarn_mscale
+from kvbaton.models.decoder import DecoderStack
 
 KVCache = torch.Tensor  # [num_slots, kv_lora_rank + qk_rope_head_dim] per layer: latent and rope key of a token
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -118,34 +119,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekV3ForCausalLM(nn.Module):
-    """`forward` takes a step's flattened tokens and returns logits only where asked."""
-
+class DeepseekV3ForCausalLM(DecoderStack):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
-        super().__init__()
         mla = cfg.mla
         if mla is None:
             raise ConfigError(f"{cfg.architecture} config without multi-head latent attention fields (kv_lora_rank)")
-        self.config = cfg
         # NOTE: RoPE turns only the decoupled qk_rope_head_dim part of q and k
-        self.rope = rope = RotaryEmbedding(mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
-                                           dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, mla, rope, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, E]
-        cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
-        residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
-            if meta.after_layer is not None:
-                meta.after_layer(i)
-        assert residual is not None, "the model has no layers (or no KV caches)"
-        x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
-        return self.lm_head(x).float()  # [S, V]
+        rope = RotaryEmbedding(mla.qk_rope_head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        super().__init__(cfg, rope, [DecoderLayer(cfg, mla, rope, i) for i in range(cfg.num_hidden_layers)])

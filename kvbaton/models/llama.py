@@ -18,6 +18,7 @@ from kvbaton.layers.mlp import MLP
 from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding
+from kvbaton.models.decoder import DecoderStack
 
 KVCache = torch.Tensor  # [num_slots, 2, Hkv, D] per layer: K and V of a token side by side
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -79,29 +80,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    """`forward` takes a step's flattened tokens and returns logits only where asked."""
-
+class LlamaForCausalLM(DecoderStack):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
-        super().__init__()
-        self.config = cfg
-        self.rope = rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rope, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, E]
-        cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
-        residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
-            if meta.after_layer is not None:
-                meta.after_layer(i)
-        assert residual is not None, "the model has no layers (or no KV caches)"
-        x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
-        return self.lm_head(x).float()  # [S, V]
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        super().__init__(cfg, rope, [DecoderLayer(cfg, rope, i) for i in range(cfg.num_hidden_layers)])

@@ -1,0 +1,44 @@
+"""What every decoder-only family shares around its layers: the embedding, the final norm, the LM head
+(tied or not), and the step's forward over a paged KV pool. A family supplies its layers and RoPE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvbaton.config import ModelConfig
+from kvbaton.layers.attention import AttentionMetadata
+from kvbaton.layers.linear import Linear
+from kvbaton.layers.norm import RMSNorm
+from kvbaton.layers.rope import RotaryEmbedding
+
+KVCache = torch.Tensor  # one layer's pool (its shape: the family's KV layout)
+
+
+class DecoderStack(nn.Module):
+    """`forward` takes a step's flattened tokens and returns logits only where asked. Each layer is called as
+    `layer(cos_sin, x, residual, kv_cache, meta) -> (x, residual)`, the residual adds fused into its norms."""
+
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rope = rope
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, E]
+        cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
+        residual: torch.Tensor | None = None
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
+            if meta.after_layer is not None:
+                meta.after_layer(i)
+        assert residual is not None, "the model has no layers (or no KV caches)"
+        x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
+        return self.lm_head(x).float()  # [S, V]
