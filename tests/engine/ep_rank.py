@@ -16,7 +16,7 @@ def main() -> None:
     ep = ExpertParallelConfig(size=job["size"], rank=job["rank"], init_method=f"tcp://127.0.0.1:{job['port']}",
                               int8_dispatch=job.get("int8", False), num_redundant_experts=job.get("redundant", 0),
                               timeout_s=30)
-    llm = LLM(job["model"], dtype="float32", num_threads=1, block_size=4, expert_parallel=ep)
+    llm = LLM(job["model"], dtype=job.get("dtype", "float32"), num_threads=1, block_size=4, expert_parallel=ep)
     group = llm.engine.core.expert_parallel
     assert group is not None
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
@@ -32,7 +32,9 @@ def main() -> None:
         if job.get("rebalance"):
             group.rebalance_now()
     llm.engine.check_integrity()
-    print(json.dumps({"sets": results, "bytes_sent": group.bytes_sent, "rebalances": group.rebalancer.rebalances}))
+    on_kernel = sum(layer.block.experts.kernel is not None for layer in group.rebalancer.layers)
+    print(json.dumps({"sets": results, "bytes_sent": group.bytes_sent, "rebalances": group.rebalancer.rebalances,
+                      "layers_on_kernel": on_kernel}))
     group.close()
 
 
