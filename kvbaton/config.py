@@ -144,6 +144,13 @@ class ModelConfig:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ConfigError(f"unsupported architecture {arch_names or '(none)'}; supported: {supported}")
         text = hf.get("text_config") or hf
+        quant = hf.get("quantization_config") or text.get("quantization_config")
+        if quant:
+            # NOTE: e.g. DeepSeek-V3's block-wise FP8 weights with their *_scale_inv tensors: loading their raw
+            # values as weights would give a model that runs and answers nonsense
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise ConfigError(f"quantized checkpoints ({method}) are not supported: convert the weights to bf16 "
+                              "or fp32 first (or use a GGUF file)")
         heads = text["num_attention_heads"]
         head_dim = text.get("head_dim") or text["hidden_size"] // heads
         rope_params = text.get("rope_parameters") or {}

@@ -21,6 +21,7 @@ _FUSED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Mixtral's names for an expert's matrices
 _MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # module names some families spell differently from the ones our modules use
@@ -71,8 +72,12 @@ def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set
                 if target not in params:
                     continue  # e.g. lm_head.weight of a tied checkpoint is the embedding
                 param = params[target]
+                tensor = f.get_tensor(hf_name)
+                if tensor.dtype in _FLOAT8:  # quantized weights need their scales: never cast them as they are
+                    raise ConfigError(f"checkpoint {file.name} holds {tensor.dtype} weights ({hf_name}); quantized "
+                                      "checkpoints are not supported: convert the weights to bf16 or fp32 first")
                 with torch.no_grad():
-                    (param if part is None else part(param)).copy_(f.get_tensor(hf_name).to(param.dtype))
+                    (param if part is None else part(param)).copy_(tensor.to(param.dtype))
                 if stacked:
                     filled[target] = filled.get(target, 0) + 1
                 else:

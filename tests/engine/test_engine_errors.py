@@ -7,6 +7,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError
@@ -212,6 +213,28 @@ def test_unsupported_architecture_config(tmp_path, tiny_models):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="unsupported architecture.*GPT2LMHeadModel"):
         LLM(str(other))
+
+
+def test_quantized_checkpoints_are_refused_not_loaded_as_they_are(tmp_path, tiny_models):
+    """An FP8 checkpoint (DeepSeek-V3's kind) read as plain weights would run and answer nonsense: refused, by
+    its quantization_config, and by float8 tensors even without one."""
+    from safetensors.torch import load_file, save_file
+
+    declared = tmp_path / "declared"
+    shutil.copytree(tiny_models["llama"], declared)
+    cfg = json.loads((declared / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (declared / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=r"quantized checkpoints \(fp8\) are not supported"):
+        LLM(str(declared))
+    undeclared = tmp_path / "undeclared"
+    shutil.copytree(tiny_models["llama"], undeclared)
+    weights = load_file(str(undeclared / "model.safetensors"))
+    name = next(n for n in weights if n.endswith("q_proj.weight"))
+    weights[name] = weights[name].to(torch.float8_e4m3fn)
+    save_file(weights, str(undeclared / "model.safetensors"))
+    with pytest.raises(ConfigError, match="float8_e4m3fn weights"):
+        LLM(str(undeclared), dtype="float32")
 
 
 def test_gguf_of_unsupported_architecture(tmp_path, monkeypatch):
