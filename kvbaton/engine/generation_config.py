@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.sampling_params import INT32_MAX, MAX_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P
+from kvbaton.engine.sampling_params import (
+    INT32_MAX,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    MIN_TOP_P,
+)
 
 FILE_NAME = "generation_config.json"
 AUTO, VLLM = "auto", "vllm"
@@ -110,8 +116,9 @@ def _from_hf_dict(raw: dict, source: str) -> GenerationDefaults:
         top_p=_number(raw, "top_p", lambda p: MIN_TOP_P <= p <= 1.0, f"in [{MIN_TOP_P}, 1]"),
         top_k=_integer(raw, "top_k", -1),  # -1 or 0: disabled
         min_p=_number(raw, "min_p", lambda p: 0.0 <= p <= 1.0, "in [0, 1]"),
-        repetition_penalty=_number(raw, "repetition_penalty", lambda r: 0.0 < r <= MAX_REPETITION_PENALTY,
-                                   f"in (0, {MAX_REPETITION_PENALTY}]"),
+        repetition_penalty=_number(raw, "repetition_penalty",
+                                   lambda r: MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY,
+                                   f"in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"),
         max_tokens=_integer(raw, "max_new_tokens", 1),
         eos_token_ids=_eos_ids(raw.get("eos_token_id")),
         source=source,

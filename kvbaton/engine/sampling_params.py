@@ -20,6 +20,9 @@ MAX_N = 128  # the frontend's own cap (--max-n) is at most this
 MAX_LOGIT_BIAS = 1024  # entries; OpenAI allows 300. Each is one scatter into the row's logits per step.
 MAX_PENALTY = 2.0  # presence / frequency, as OpenAI
 MAX_REPETITION_PENALTY = 100.0  # any positive finite value is well defined; past this it is only a way to overflow
+# and the same below 1: a seen token's logit is divided by it (5e-324 turned logits into inf and the sampler's
+# probabilities into NaN, failing the step)
+MIN_REPETITION_PENALTY = 1.0 / MAX_REPETITION_PENALTY
 
 
 class InvalidRequestError(ValueError):
@@ -117,9 +120,10 @@ class SamplingParams:
              f"presence_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.presence_penalty}"),
             (_in_range(self.frequency_penalty, -MAX_PENALTY, MAX_PENALTY), "frequency_penalty",
              f"frequency_penalty must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {self.frequency_penalty}"),
-            (_in_range(self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY) and self.repetition_penalty > 0,
+            (_in_range(self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
              "repetition_penalty",
-             f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"),
+             f"repetition_penalty must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}], "
+             f"got {self.repetition_penalty}"),
             (_in_range(self.min_p, 0.0, 1.0), "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (self.logit_bias is None or (isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
                                          and all(_in_range(v, -100.0, 100.0) for v in self.logit_bias.values())),

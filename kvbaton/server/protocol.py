@@ -25,6 +25,7 @@ from kvbaton.engine.sampling_params import (
     MAX_N,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
     MIN_TEMPERATURE,
     MIN_TOP_P,
     InvalidRequestError,
@@ -133,7 +134,7 @@ class _SamplingFields(BaseModel):
     n: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] = 1  # the server's own cap: --max-n
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         default=None, max_length=MAX_LOGIT_BIAS)

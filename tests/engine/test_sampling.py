@@ -23,6 +23,7 @@ V = 50  # vocab size
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty"),  # its inverse overflows: NaN probabilities
     ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {3: 101.0}}, "logit_bias"),
     ({"logit_bias": {"x": 1.0}}, "logit_bias"),

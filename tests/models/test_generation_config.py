@@ -66,7 +66,7 @@ def test_a_missing_path_is_one_line_config_error(tmp_path):
     ({"top_k": -2}, "top_k must be an integer in [-1, 2147483647], got -2"),
     ({"top_k": 2.5}, "top_k must be"),
     ({"min_p": 1.5}, "min_p must be in [0, 1]"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 100.0], got 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in [0.01, 100.0], got 0"),
     ({"max_new_tokens": 0}, "max_new_tokens must be an integer in [1, 2147483647], got 0"),
     ({"max_new_tokens": True}, "max_new_tokens must be an integer in [1, "),
     ({"eos_token_id": "</s>"}, "eos_token_id must be a token id or a list of them"),
