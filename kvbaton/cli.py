@@ -1,4 +1,4 @@
-"""`kvbaton` command line: serve | generate | bench | chat | complete | workers | model.
+"""`kvbaton` command line: serve | generate | bench | chat | complete | workers | sim | plan | doctor | model.
 
 Errors a user can cause (bad model path, bad sampling values, over-long prompt) are
 printed as one line on stderr with exit status 2, never as a traceback.
@@ -197,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbaton.client.kv_sessions import add_kv_parser
 
     add_kv_parser(sub)
+    from kvbaton.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
+    from kvbaton.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
+    from kvbaton.doctor.cli import add_doctor_parser
+
+    add_doctor_parser(sub)
     workers = sub.add_parser("workers", help="list, add or drain the workers of a running `kvbaton serve`")
     workers.add_argument("action", choices=["list", "add", "drain"])
     workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
@@ -334,6 +343,28 @@ def cmd_kv(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_sim(args: argparse.Namespace) -> int:
+    if args.sim_command == "profile":  # the one sim command that runs the model (so it needs torch)
+        from kvbaton.engine.step_profile import main as profile_main
+
+        return profile_main(args)
+    from kvbaton.sim.cli import main as sim_main
+
+    return sim_main(args)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvbaton.plan.cli import main as plan_main
+
+    return plan_main(args)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from kvbaton.doctor.cli import main as doctor_main
+
+    return doctor_main(args)
+
+
 def cmd_model_pull(args: argparse.Namespace) -> int:
     from kvbaton.models.registry import pull_default_model
 
@@ -345,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench,
-                "workers": cmd_workers, "chat": cmd_client, "complete": cmd_client, "kv": cmd_kv}
+                "workers": cmd_workers, "chat": cmd_client, "complete": cmd_client, "kv": cmd_kv,
+                "sim": cmd_sim, "plan": cmd_plan, "doctor": cmd_doctor}
     try:
         return handlers[args.command](args)
     except (ConfigError, InvalidRequestError, FileNotFoundError, OSError) as exc:

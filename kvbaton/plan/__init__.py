@@ -1,0 +1,1 @@
+"""`kvbaton plan`: capacity planning (KV memory, TP/PP, P:D ratio, GPU count) on top of the simulator."""
