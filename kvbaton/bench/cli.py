@@ -26,9 +26,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p = subparsers.add_parser("serve", help="open-loop load against an OpenAI-compatible endpoint",
                               description="Open-loop load generator for kvbaton serve, vLLM or llama-server.")
     _add_target_args(p.add_argument_group("server"))
-    _add_dataset_args(p.add_argument_group("dataset"))
-    _add_load_args(p.add_argument_group("load"))
-    _add_output_args(p.add_argument_group("SLO and output"))
+    add_dataset_args(p.add_argument_group("dataset"))
+    add_load_args(p.add_argument_group("load"))
+    add_output_args(p.add_argument_group("SLO and output"))
     return p
 
 
@@ -44,7 +44,7 @@ def _add_target_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
 
 
-def _add_dataset_args(g: argparse._ArgumentGroup) -> None:
+def add_dataset_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "mixed"])
     g.add_argument("--num-prompts", type=int, default=200)
     g.add_argument("--input-len", type=int, default=1024, help="random; shared-prefix: the part after the prefix")
@@ -59,7 +59,7 @@ def _add_dataset_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--seed", type=int, default=None, help="dataset and arrival seed (default: fresh, printed)")
 
 
-def _add_load_args(g: argparse._ArgumentGroup) -> None:
+def add_load_args(g: argparse._ArgumentGroup) -> None:
     rates = g.add_mutually_exclusive_group()
     rates.add_argument("--request-rate", type=float, default=math.inf, help="req/s (default inf: all at once)")
     rates.add_argument("--request-rates", default=None, help="comma-separated sweep, e.g. 1,2,4")
@@ -70,7 +70,7 @@ def _add_load_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent one by one first")
 
 
-def _add_output_args(g: argparse._ArgumentGroup) -> None:
+def add_output_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--slo-ttft-ms", type=float, default=None)
     g.add_argument("--slo-tpot-ms", type=float, default=None)
     g.add_argument("--result-json", default=None, help="write config, seed, per-request records and summaries")

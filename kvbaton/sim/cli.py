@@ -1,17 +1,98 @@
-"""`kvbaton sim` flags and entry point (being written)."""
+"""`kvbaton sim` flags and entry point: `run` simulates a load; `profile` (run by kvbaton.cli, since it
+measures the real engine) fits a step-latency model to this machine.
+
+The load flags are `kvbaton bench serve`'s own (dataset, arrivals, SLOs, outputs), so a simulated
+run and a measured one are described by the same command line. Heavy imports wait for `main`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from kvbaton.bench.cli import add_dataset_args, add_load_args, add_output_args
+
+if TYPE_CHECKING:
+    from kvbaton.sim.profiled import ProfileFit
 
 
 def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     sim = subparsers.add_parser("sim", help="simulate a deployment on the real scheduler (no model runs)")
     sub = sim.add_subparsers(dest="sim_command", required=True)
-    sub.add_parser("run", help="simulate a load")
-    sub.add_parser("profile", help="measure this machine's engine steps and fit a step-latency model")
+    run = sub.add_parser("run", help="simulate a load against a deployment",
+                         description="Discrete-event simulation: the real scheduler, KV cache manager and routing "
+                                     "policies, with a step-latency model in place of the model.")
+    _add_deployment_args(run.add_argument_group("deployment"))
+    _add_instance_args(run.add_argument_group("each instance (worker)"))
+    add_dataset_args(run.add_argument_group("dataset (as kvbaton bench serve)"))
+    run.add_argument("--trace", default=None, metavar="RESULT_JSON",
+                     help="replay a `kvbaton bench serve --result-json` run (send times and lengths) instead")
+    add_load_args(run.add_argument_group("load (as kvbaton bench serve)"))
+    add_output_args(run.add_argument_group("SLO and output"))
+    _add_profile_args(sub.add_parser("profile", help="measure this machine's engine steps and fit a step-latency "
+                                                     "model"))
     return sim
 
 
+def _add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint dir, .gguf file (default: the default model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--no-kernels", action="store_true", help="PyTorch ops only, without kvbaton's C CPU kernels")
+    p.add_argument("--compute-path", default="auto", help="as kvbaton serve's (default: chosen from this CPU)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=2.0,
+                   help="the profiling engine's KV pool (grid points that do not fit it are skipped)")
+    p.add_argument("--out", required=True, metavar="PATH", help="where the JSON profile goes")
+    p.add_argument("--quick", action="store_true", help="a few grid points (tests, a first look)")
+    # NOTE: the profiler is the engine's, and the engine layer may not import the simulator: the parser hands
+    # it the simulator's side (step shape, fit), imported only when a profile runs.
+    p.set_defaults(profile_fit=_profile_fit)
+
+
+def _profile_fit() -> ProfileFit:
+    from kvbaton.sim.profiled import ProfileFit
+
+    return ProfileFit()
+
+
+def _add_deployment_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--prefill", type=int, default=0, help="prefill instances (0: decode instances prefill)")
+    g.add_argument("--decode", type=int, default=1, help="decode instances (colocated replicas with --prefill 0)")
+    g.add_argument("--link", default="host-shm", help="KV link preset between P and D (see kvbaton.sim.links)")
+    g.add_argument("--link-gbps", type=float, default=None, help="a custom link: effective Gbit/s")
+    g.add_argument("--link-latency-us", type=float, default=None, help="a custom link: latency per transfer")
+    g.add_argument("--routing", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_aware"])
+    g.add_argument("--local-prefill-threshold", type=int, default=64)
+    g.add_argument("--max-waiting-requests", type=int, default=256)
+
+
+def _add_instance_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--profile", default=None, metavar="JSON",
+                   help="step-latency model: a `kvbaton sim profile` file (this machine, measured)")
+    g.add_argument("--hardware", default=None, help="step-latency model: a roofline of this hardware preset")
+    g.add_argument("--model-preset", default=None, help="with --hardware: a model preset or an HF config.json")
+    g.add_argument("--tp", type=int, default=1, help="with --hardware: tensor-parallel size of an instance")
+    g.add_argument("--pp", type=int, default=1, help="with --hardware: pipeline-parallel size of an instance")
+    g.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: from the profile)")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None, help="default: from the profile or model")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--no-chunked-prefill", action="store_true")
+    g.add_argument("--no-prefix-caching", action="store_true")
+
+
 def main(args: argparse.Namespace) -> int:
-    raise NotImplementedError
+    """Run a parsed `sim run`; user errors print one line and return 2."""
+    from kvbaton.bench.errors import BenchError
+    from kvbaton.config import ConfigError
+    from kvbaton.sim.run import run_simulation
+
+    try:
+        return run_simulation(args)
+    except (BenchError, ConfigError, ValueError, OSError) as exc:
+        print(f"kvbaton sim: error: {exc}", file=sys.stderr)
+        return 2

@@ -64,3 +64,31 @@ class StepLatencyModel(Protocol):
     def name(self) -> str: ...
 
     def step_seconds(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearLatency:
+    """A step costs a fixed part plus a price per token, per attended position and per decoding sequence.
+
+    The simplest model that satisfies the contract (non-negative prices); tests and quick what-ifs
+    use it with made-up prices, `profiled.py` fits such prices to measured steps."""
+
+    base_s: float
+    per_token_s: float = 0.0
+    per_attended_s: float = 0.0  # per position a prefill token attends to
+    per_decode_seq_s: float = 0.0
+    per_context_s: float = 0.0  # per position a decoding sequence attends to
+    label: str = "linear"
+
+    def __post_init__(self) -> None:
+        prices = (self.base_s, self.per_token_s, self.per_attended_s, self.per_decode_seq_s, self.per_context_s)
+        if min(prices) < 0 or self.base_s <= 0:
+            raise ValueError("a linear step-latency model needs a positive base and non-negative prices")
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return (self.base_s + self.per_token_s * shape.num_tokens + self.per_attended_s * shape.prefill_attended
+                + self.per_decode_seq_s * shape.decode_seqs + self.per_context_s * shape.decode_context)

@@ -1,0 +1,131 @@
+"""One `kvbaton sim run`: build the deployment and the load from the flags, simulate each rate, report.
+
+The report is the bench's own (TTFT/TPOT/ITL/E2E percentiles, goodput, SLO attainment), plus
+what only a simulator can show: each instance's busy time, batch sizes, KV usage, preemptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from kvbaton.bench.arrivals import ArrivalConfig
+from kvbaton.bench.cli import fresh_seed, parse_rates
+from kvbaton.bench.metrics import SLO, Summary, summarize
+from kvbaton.bench.records import RunResult
+from kvbaton.bench.report import print_report, rate_label, result_document, write_result_json
+from kvbaton.bench.serve import dataset_config
+from kvbaton.config import ConfigError, SchedulerConfig
+from kvbaton.sim.latency import StepLatencyModel
+from kvbaton.sim.links import LinkModel, link_preset
+from kvbaton.sim.simulator import SimRun, simulate
+from kvbaton.sim.spec import ClusterSpec, InstanceSpec, SimRequest
+from kvbaton.sim.workload import synthetic_requests, trace_requests
+
+
+def run_simulation(args: argparse.Namespace) -> int:
+    if args.max_concurrency is not None:
+        raise ConfigError("--max-concurrency (a closed loop) is not simulated; give open-loop rates")
+    cluster = cluster_from_args(args)
+    seed = args.seed if args.seed is not None else fresh_seed()
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    console = Console() if Console().is_terminal else Console(width=140)
+    loads = _loads(args, seed)
+    console.print(f"kvbaton sim: seed {seed}, {cluster.label}, latency {cluster.decode.latency.name}, "
+                  f"{len(loads[0][1])} requests, rates {', '.join(rate_label(r) for r, _ in loads)}")
+    runs = [simulate(cluster, requests, request_rate=rate, max_duration_s=args.max_duration_s)
+            for rate, requests in loads]
+    summaries = [summarize(run.result, slo) for run in runs]
+    print_report(summaries, slo, console)
+    for run in runs:
+        print_instances(run, console)
+    _write_outputs(args, cluster, seed, [r.result for r in runs], summaries, slo, console)
+    return 0
+
+
+def _loads(args: argparse.Namespace, seed: int) -> list[tuple[float, list[SimRequest]]]:
+    if args.trace is not None:
+        requests, rate = trace_requests(args.trace, seed=seed)
+        return [(rate, requests)]
+    dataset = dataset_config(args)
+    return [(rate, synthetic_requests(dataset, ArrivalConfig(rate, args.arrival, args.burstiness), seed))
+            for rate in parse_rates(args)]
+
+
+def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
+    instance = instance_from_args(args)
+    return ClusterSpec(decode=instance, num_decode=args.decode, num_prefill=args.prefill, link=_link(args),
+                       prefill_policy=args.routing, decode_policy=args.routing,
+                       local_prefill_threshold=args.local_prefill_threshold,
+                       max_waiting_requests=args.max_waiting_requests)
+
+
+def _link(args: argparse.Namespace) -> LinkModel:
+    if args.link_gbps is None and args.link_latency_us is None:
+        return link_preset(args.link)
+    base = link_preset(args.link)
+    return LinkModel("custom", args.link_gbps or base.bandwidth_gbps,
+                     base.latency_us if args.link_latency_us is None else args.link_latency_us)
+
+
+def instance_from_args(args: argparse.Namespace) -> InstanceSpec:
+    latency, defaults = _latency(args)
+    num_blocks = args.num_blocks or defaults.get("num_blocks")
+    if not num_blocks:
+        raise ConfigError("say how large each instance's KV pool is: --num-blocks")
+    kv_bytes = args.kv_bytes_per_token if args.kv_bytes_per_token is not None else defaults.get("kv_bytes_per_token")
+    if kv_bytes is None and args.prefill:
+        raise ConfigError("a disaggregated deployment moves KV: give --kv-bytes-per-token")
+    scheduler = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                enable_chunked_prefill=not args.no_chunked_prefill,
+                                long_prefill_token_threshold=args.long_prefill_token_threshold)
+    return InstanceSpec(latency=latency, num_blocks=int(num_blocks), block_size=args.block_size, scheduler=scheduler,
+                        max_model_len=args.max_model_len or int(defaults.get("max_model_len", 8192)),
+                        enable_prefix_caching=not args.no_prefix_caching, kv_bytes_per_token=int(kv_bytes or 0))
+
+
+def _latency(args: argparse.Namespace) -> tuple[StepLatencyModel, dict]:
+    """The step-latency model the flags name, and the instance figures it knows (pool size, KV bytes)."""
+    if (args.profile is None) == (args.hardware is None):
+        raise ConfigError("choose one step-latency model: --profile JSON (measured) or --hardware (roofline)")
+    if args.profile is not None:
+        from kvbaton.sim.profiled import ProfiledLatency
+
+        path = Path(args.profile)
+        doc = json.loads(path.read_text())
+        return ProfiledLatency.load(path), doc.get("engine", {})
+    raise ConfigError("--hardware: the roofline step-latency model is not wired into `sim run` yet")
+
+
+def print_instances(run: SimRun, console: Console) -> None:
+    table = Table(title=f"instances at {rate_label(run.result.request_rate)} req/s "
+                        f"(simulated {run.result.duration_s:.1f} s in {run.wall_s:.2f} s)")
+    for col in ("instance", "steps", "busy", "tokens/step", "decode batch", "KV mean", "KV peak", "preempted"):
+        table.add_column(col, justify="left" if col == "instance" else "right")
+    duration = max(run.result.duration_s, 1e-9)
+    for s in run.instances:
+        table.add_row(s.name, str(s.num_steps), f"{s.busy_s / duration:.0%}", f"{s.mean_batch_tokens:.1f}",
+                      f"{s.mean_decode_batch:.1f}", f"{s.mean_kv_usage:.0%}", f"{s.peak_kv_usage:.0%}",
+                      str(s.num_preemptions))
+    console.print(table)
+    console.print("routing: " + ", ".join(f"{k} {v}" for k, v in run.counters.items()))
+
+
+def _write_outputs(args: argparse.Namespace, cluster: ClusterSpec, seed: int, results: list[RunResult],
+                   summaries: list[Summary], slo: SLO, console: Console) -> None:
+    if args.result_json:
+        config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
+        config = {**config, "seed": seed, "deployment": cluster.label, "simulated": True,
+                  "latency_model": cluster.decode.latency.name}
+        write_result_json(args.result_json, result_document(config, results, summaries))
+        console.print(f"results: {args.result_json}")
+    if args.plot_dir:
+        from kvbaton.bench.plots import write_plots
+
+        for path in write_plots(args.plot_dir, results, summaries, slo):
+            console.print(f"plot: {path}")
+
