@@ -1,9 +1,9 @@
 """Typed messages between the router (in the frontend) and its workers; signed by `kvbaton.wire`.
 
     router -> worker:  AddRequest, PrepareReceive, StartDecode, CancelReceive, AbortRequests, Drain, Shutdown,
-                       CheckIntegrity
+                       CheckIntegrity; the diagnostics' ProbeReceive, ProbeSend, ProbeAllReduce, ProbeProfile
     worker -> router:  WorkerHello, Heartbeat, WorkerOutputs, RequestFailed, ReceiveReady, ReceiveRefused,
-                       TransferFailed, Drained, IntegrityReport
+                       TransferFailed, Drained, IntegrityReport; the diagnostics' ProbeReady, ProbeReport
 
 Request ids on this channel are the router's *attempt* ids (`<client id>#<attempt>`), so when
 a request is re-dispatched after a failure, late messages about an earlier attempt are told
@@ -72,7 +72,50 @@ class CheckIntegrity(msgspec.Struct, tag="check"):
     """Run the KV pool's integrity check now; answer IntegrityReport."""
 
 
-ToWorker = AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortRequests | Drain | Shutdown | CheckIntegrity
+class ProbeReceive(msgspec.Struct, tag="probe_receive", kw_only=True):
+    """Take scratch KV transfers of these block counts over this worker's transport, into scratch pools (never
+    the engine's); answer ProbeReady (the probe receiver's address), then ProbeReport."""
+
+    probe_id: str
+    block_counts: list[int]
+    deadline_s: float
+
+
+class ProbeSend(msgspec.Struct, tag="probe_send", kw_only=True):
+    """Send scratch KV transfers of these block counts, one after another, to the probe receiver at `receiver`
+    (whose pools are laid out as `layout`); answer ProbeReport with each one's time."""
+
+    probe_id: str
+    receiver: str
+    layout: KVLayout
+    block_counts: list[int]
+    deadline_s: float
+
+
+class ProbeAllReduce(msgspec.Struct, tag="probe_all_reduce", kw_only=True):
+    """Join a gloo group of `world_size` and time all-reduces of these sizes (bytes). Rank 0 gets `store` ""
+    and hosts the group's store, answering ProbeReady with its host:port; the others are sent that."""
+
+    probe_id: str
+    rank: int
+    world_size: int
+    store: str
+    sizes: list[int]
+    iters: int
+    deadline_s: float
+
+
+class ProbeProfile(msgspec.Struct, tag="probe_profile", kw_only=True):
+    """Profile this worker's next `num_steps` engine steps (torch.profiler), for at most `max_duration_s`;
+    answer ProbeReport."""
+
+    probe_id: str
+    num_steps: int
+    max_duration_s: float
+
+
+ToWorker = (AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortRequests | Drain | Shutdown
+            | CheckIntegrity | ProbeReceive | ProbeSend | ProbeAllReduce | ProbeProfile)
 
 # ---- worker -> router ----------------------------------------------------------------------
 
@@ -151,5 +194,46 @@ class IntegrityReport(msgspec.Struct, tag="integrity"):
     num_requests: int  # requests holding blocks: running, waiting, held for sending, receiving
 
 
+class ProbeReady(msgspec.Struct, tag="probe_ready"):
+    """A probe's listening end is up: a probe receiver's address, an all-reduce store's host:port."""
+
+    name: str
+    probe_id: str
+    address: str
+
+
+class Timing(msgspec.Struct):
+    """One measured operation: a KV transfer of `num_blocks` (0: an all-reduce) moving `num_bytes`."""
+
+    num_bytes: int
+    seconds: float
+    num_blocks: int = 0
+
+
+class OpTime(msgspec.Struct):
+    name: str
+    self_s: float  # time in the op itself, not in ops it called
+    count: int
+
+
+class StepProfile(msgspec.Struct, kw_only=True):
+    num_steps: int
+    step_s: float  # wall time of the profiled steps
+    op_self_s: float  # time in any op the profiler saw
+    compute_s: float  # of which in compute kernels: kvbaton's C kernels, GEMMs, fused attention
+    top_ops: list[OpTime]  # by self time, the largest first
+
+
+class ProbeReport(msgspec.Struct, tag="probe_report", kw_only=True):
+    """A probe's result on one worker (`error`: why it has none, or only some)."""
+
+    name: str
+    probe_id: str
+    error: str | None = None
+    timings: list[Timing] = []
+    profile: StepProfile | None = None
+
+
 FromWorker = (WorkerHello | Heartbeat | WorkerOutputs | RequestFailed | ReceiveReady | ReceiveRefused
-              | TransferFailed | Drained | IntegrityReport)
+              | TransferFailed | Drained | IntegrityReport | ProbeReady | ProbeReport)
+PROBE_REPLIES = (ProbeReady, ProbeReport)

@@ -26,8 +26,10 @@ from typing import Any
 
 import msgspec
 
+from kvbaton.disagg.diagnostics import PoolDiagnostics
 from kvbaton.disagg.flight import Flight, Phase
 from kvbaton.disagg.messages import (
+    PROBE_REPLIES,
     AbortRequests,
     AddRequest,
     CancelReceive,
@@ -87,6 +89,11 @@ class Router:
         self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0,
                          "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0}
         self._deadlines: asyncio.Task | None = None
+        # the probes behind /admin/diagnostics/* (`kvbaton doctor`)
+        self.diagnostics = PoolDiagnostics(pool, {
+            "local_prefill_threshold": config.local_prefill_threshold, "prefill_policy": config.prefill_policy,
+            "decode_policy": config.decode_policy, "transfer_deadline_s": config.transfer_deadline_s,
+            "block_size": block_size}, self.counters)
 
     # ---- lifecycle and pool administration ---------------------------------------------------
 
@@ -281,6 +288,9 @@ class Router:
         if isinstance(msg, WorkerOutputs):
             for output in msg.outputs:
                 await self._on_output(worker, output)
+            return
+        if isinstance(msg, PROBE_REPLIES):
+            self.diagnostics.on_reply(worker.name, msg)
             return
         assert isinstance(msg, (ReceiveReady, ReceiveRefused, TransferFailed, RequestFailed))
         flight = self._flight_of(msg.request_id)

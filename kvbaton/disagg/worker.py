@@ -52,6 +52,7 @@ from kvbaton.disagg.messages import (
     WorkerLoad,
     WorkerOutputs,
 )
+from kvbaton.disagg.probes import WorkerProbes
 from kvbaton.disagg.roles import Role, role_of
 from kvbaton.disagg.spec import ROUTER_NAME, SPEC_ENV, WorkerSpec
 from kvbaton.engine.core import EngineCore
@@ -116,6 +117,8 @@ class Worker:
             AddRequest: self._add, AbortRequests: self._abort, Drain: self._drain, Shutdown: self._shutdown,
             CheckIntegrity: self._check_integrity, **self.role.commands(self),
         }
+        self.probes = WorkerProbes(spec, secret, core)  # the diagnostics' probes (`disagg.probes`)
+        self._handlers.update(self.probes.commands())
 
     # ---- loop --------------------------------------------------------------------------------
 
@@ -132,6 +135,8 @@ class Worker:
             runnable = self.core.has_unfinished_requests()
             self._drain_commands(0 if runnable else self._idle_wait_ms())
             self._report_failures(self.core.poll_transfers())
+            for reply in self.probes.replies():
+                self.send(reply)
             # NOTE: an expert-parallel rank steps every round, busy or not: the others' steps wait for it
             if self.core.expert_parallel is not None or self.core.has_unfinished_requests():
                 self._step()
@@ -141,7 +146,7 @@ class Worker:
 
     def _step(self) -> None:
         had_work = self.core.has_own_requests()
-        result = self.core.step()
+        result = self.probes.step(self.core.step)
         # NOTE: failures first: the router then falls back before it sees a hand-off's first token
         self._report_failures(result.failed_transfers)
         for failure in result.failed_requests:
@@ -159,7 +164,7 @@ class Worker:
         group = self.core.expert_parallel
         if group is not None:
             return EP_QUIET_POLL_MS if time.monotonic() - group.last_busy > EP_QUIET_AFTER_S else EP_IDLE_POLL_MS
-        return BUSY_POLL_MS if self.core.transfers_in_flight else IDLE_POLL_MS
+        return BUSY_POLL_MS if self.core.transfers_in_flight or self.probes.active else IDLE_POLL_MS
 
     def _drain_commands(self, block_ms: int) -> None:
         while self.commands.poll(block_ms):

@@ -31,6 +31,7 @@ from kvbaton.engine.sampling_params import INT64_MAX, MAX_N, InvalidRequestError
 from kvbaton.server.admin import add_worker_routes
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
 from kvbaton.server.choices import merged, request_choices, tool_chunks
+from kvbaton.server.diagnostics import add_diagnostic_routes
 from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.errors import ApiError, HttpError, http_error
 from kvbaton.server.grammars import GrammarCheck
@@ -309,6 +310,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
                 "compute_path": compute_path, "router": dict(client.counters)}
 
     add_worker_routes(app, client, settings.max_workers)
+    add_diagnostic_routes(app, client)
     add_kv_session_routes(app, server.kv_sessions)
     add_tokenize_routes(app, server)
     return app

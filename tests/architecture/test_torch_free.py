@@ -29,6 +29,13 @@ TORCH_FREE = [
     "kvbaton.server.grammars",
     "kvbaton.engine.structured.grammar",
     "kvbaton.client.cli",
+    "kvbaton.sim.simulator",
+    "kvbaton.sim.run",
+    "kvbaton.sim.profiled",
+    "kvbaton.sim.roofline",
+    "kvbaton.plan.cli",
+    "kvbaton.doctor.cli",
+    "kvbaton.cluster.autoscale",
 ]
 
 
