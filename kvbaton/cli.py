@@ -22,6 +22,7 @@ from kvbaton.platform.compute import COMPUTE_PATHS
 if TYPE_CHECKING:
     import httpx
 
+    from kvbaton.cluster.autoscale_policy import AutoscaleConfig
     from kvbaton.cluster.deploy import DeploymentSpec
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(0: never replace)")
     pd.add_argument("--worker-dead-after", type=float, default=5.0,
                     help="seconds without a heartbeat before a worker is declared dead, fenced and replaced")
+    _add_autoscale_args(serve)
     from kvbaton.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -280,16 +282,53 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                               prefill_ep_size=args.prefill_expert_parallel_size or args.expert_parallel_size))
 
 
+def _add_autoscale_args(serve: argparse.ArgumentParser) -> None:
+    g = serve.add_argument_group("autoscaling (resize the pools from measured TTFT, TPOT, queue depth, KV usage)")
+    g.add_argument("--autoscale", action="store_true", help="run the SLA autoscaler (needs both --slo-* flags)")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token target, p99")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token target, p99")
+    for pool in ("prefill", "decode"):
+        g.add_argument(f"--min-{pool}", type=int, default=1, help=f"the fewest {pool} workers (default 1)")
+        g.add_argument(f"--max-{pool}", type=int, default=None, help=f"the most {pool} workers (default: "
+                                                                        "--max-workers bounds them)")
+    g.add_argument("--autoscale-interval", type=float, default=10.0, metavar="S", help="seconds between decisions")
+    g.add_argument("--autoscale-cooldown", type=float, default=30.0, metavar="S",
+                   help="after a pool changed, it keeps its size this many seconds")
+    g.add_argument("--autoscale-window", type=float, default=60.0, metavar="S",
+                   help="TTFT/TPOT percentiles over the requests that finished this recently")
+
+
+def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
+    from kvbaton.cluster.autoscale_policy import AutoscaleConfig
+
+    if not args.autoscale:
+        if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
+            raise ConfigError("--slo-ttft-ms and --slo-tpot-ms are the autoscaler's targets: add --autoscale")
+        return None
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise ConfigError("--autoscale needs --slo-ttft-ms and --slo-tpot-ms")
+    return AutoscaleConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000,
+                           min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
+                           max_decode=args.max_decode, interval_s=args.autoscale_interval,
+                           cooldown_s=args.autoscale_cooldown, window_s=args.autoscale_window)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from kvbaton.server.launch import ServeOptions, serve
 
+    autoscale = autoscale_from_args(args)
+    deployment = deployment_from_args(args)
+    if autoscale is not None and args.decode == 0:  # NOTE: no --decode given: start at the smallest size
+        deployment = dataclasses.replace(deployment, num_decode=autoscale.min_decode)
     options = ServeOptions(host=args.host, port=args.port, served_model_name=args.served_model_name,
                            api_key=args.api_key, admin_api_key=args.admin_api_key,
                            max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                            max_priority_range=args.max_priority_range, max_workers=args.max_workers,
                            max_n=args.max_n, max_kv_session_bytes=args.max_kv_session_bytes,
                            generation_config=args.generation_config,
-                           deployment=deployment_from_args(args))
+                           deployment=deployment, autoscale=autoscale)
     return serve(engine_config_from_args(args), options)
 
 

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
+from kvbaton.cluster.autoscale import Autoscaler
+from kvbaton.cluster.autoscale_policy import AutoscaleConfig, check_deployment
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
-from kvbaton.config import EngineConfig
+from kvbaton.config import ConfigError, EngineConfig
+from kvbaton.disagg.router import Router
 from kvbaton.engine.generation_config import AUTO, load_generation_defaults
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
 from kvbaton.server.admission import AdmissionLimits
 from kvbaton.server.api import ServerSettings, build_app
+from kvbaton.server.metrics import AutoscalerMetrics
 from kvbaton.wire import cluster_secret
 
 
@@ -36,6 +43,15 @@ class ServeOptions:
     max_kv_session_bytes: int = 2**30
     generation_config: str = AUTO  # auto | vllm | PATH, as vLLM's --generation-config
     deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
+    autoscale: AutoscaleConfig | None = None  # None: the pools keep their size unless told (POST /admin/workers)
+
+    def __post_init__(self) -> None:
+        if self.autoscale is None:
+            return
+        d = self.deployment
+        if max(d.pool.prefill_ep_size, d.pool.decode_ep_size) > 1:
+            raise ConfigError("--autoscale cannot resize expert-parallel groups yet (--expert-parallel-size > 1)")
+        check_deployment(self.autoscale, d.num_prefill, d.num_decode, self.max_workers)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
@@ -65,15 +81,37 @@ async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSet
     # its model would outlive us). As an exception it unwinds through the `finally` below.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     deployment = await deploy(config, tokenizer, options.deployment, secret=settings.kv_session_secret)
+    autoscaler = None
     try:
         app = build_app(deployment.router, settings)
+        if options.autoscale is not None:
+            autoscaler = _start_autoscaler(app, deployment.router, options.autoscale, options.max_workers)
         server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
                                                timeout_graceful_shutdown=5))
         _print_banner(settings, options)
         await server.serve()
     finally:
+        if autoscaler is not None:
+            await autoscaler.stop()
         await deployment.shutdown()
     return 0
+
+
+def _start_autoscaler(app: FastAPI, router: Router, config: AutoscaleConfig, max_workers: int) -> Autoscaler:
+    """The autoscaler task, fed the server's finished requests, its decisions in /metrics and `GET /admin/autoscaler`
+    (an admin route: guarded as /workers is)."""
+    server = app.state.server
+    autoscaler = Autoscaler(router, config, max_workers)
+    autoscaler.listeners.append(AutoscalerMetrics(server.metrics.registry, server.settings.served_model_name).observe)
+    server.metrics.finished_listeners.append(autoscaler.observe_finished)
+    logging.getLogger(autoscaler.__module__).setLevel(logging.INFO)  # NOTE: its decisions show at the default level
+
+    @app.get("/admin/autoscaler")
+    async def autoscaler_view() -> dict[str, Any]:
+        return autoscaler.view()
+
+    autoscaler.start()
+    return autoscaler
 
 
 # NOTE: a question SmolLM2-135M answers well at its recommended temperature 0.2 / top_p 0.9 (one correct

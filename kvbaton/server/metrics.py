@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbaton.cluster.autoscale_policy import Action, Decision, Measurements
 from kvbaton.engine.info import EngineStats
 from kvbaton.engine.request_output import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0)
 
+# prompt lengths in tokens, edges at 2**i - 1: bucket `le=1023` counts the prompts of fewer than 1024 tokens, so
+# the share a power-of-two --local-prefill-threshold keeps local is read off exactly (`kvbaton doctor`)
+PROMPT_TOKEN_BUCKETS = tuple(float(2**i - 1) for i in range(4, 18))
 
 # KV store tiers, one series per tier (summed over workers; occupancy of a shared tier counted once)
 _TIER_GAUGES = {
@@ -44,6 +50,9 @@ class ServerMetrics:
         self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first, per request")
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency")
         self.queue = hist("request_queue_time_seconds", "Time a request waited before it was first scheduled")
+        self.request_prompt_tokens = Histogram("kvbaton:request_prompt_tokens", "Prompt length of finished requests, "
+                                               "in tokens", labels, buckets=PROMPT_TOKEN_BUCKETS,
+                                               registry=self.registry)
         self.prompt_tokens = Counter("kvbaton:prompt_tokens", "Prompt tokens processed", labels,
                                      registry=self.registry)
         self.generation_tokens = Counter("kvbaton:generation_tokens", "Tokens generated", labels,
@@ -67,6 +76,7 @@ class ServerMetrics:
         self.expert_balancedness = Gauge("kvbaton:expert_balancedness", "Mean over max expected tokens per rank of "
                                          "an expert-parallel group, per MoE layer (1: even)",
                                          labels + ["ep_group", "layer"], registry=self.registry)
+        self.finished_listeners: list[Callable[[RequestOutput], None]] = []  # e.g. the autoscaler's window
 
     def observe_stats(self, stats: EngineStats) -> None:
         m = self._model
@@ -99,7 +109,10 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         m, completion, metrics = self._model, out.outputs[0], out.metrics
+        for listener in self.finished_listeners:
+            listener(out)
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        self.request_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
         self.generation_tokens.labels(m).inc(len(completion.token_ids))
         self.requests.labels(m, completion.finish_reason or "abort").inc()
         if metrics is None:
@@ -113,3 +126,36 @@ class ServerMetrics:
             n = len(completion.token_ids)
             if metrics.first_token_time is not None and n > 1:
                 self.tpot.labels(m).observe((metrics.finished_time - metrics.first_token_time) / (n - 1))
+
+
+class AutoscalerMetrics:
+    """The SLA autoscaler's decisions (`serve --autoscale`), on the server's registry: every decision by pool and
+    action, each pool's target, what the last decision saw, and the last scaling decision with its reason."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels, self._model = ["model_name", "pool"], model_name
+        self.decisions = Counter("kvbaton:autoscaler_decisions", "Autoscaler decisions (one per pool and interval)",
+                                 labels + ["action"], registry=registry)
+        self.target = Gauge("kvbaton:autoscaler_target_workers", "Workers the autoscaler wants", labels,
+                            registry=registry)
+        self.measured = Gauge("kvbaton:autoscaler_measured", "What the autoscaler's last decision saw",
+                              ["model_name", "quantity"], registry=registry)
+        self.last = Gauge("kvbaton:autoscaler_last_scaling", "The last scale-up or -down (value: its Unix time); "
+                          "its sizes and reason as labels", labels + ["action", "from_workers", "to_workers", "reason"],
+                          registry=registry)
+        self._last: dict[str, tuple[str, ...]] = {}  # pool -> the labels of its one `last` series
+
+    def observe(self, d: Decision, seen: Measurements) -> None:
+        m, pool = self._model, d.pool.value
+        self.decisions.labels(m, pool, d.action.value).inc()
+        self.target.labels(m, pool).set(d.target)
+        for quantity, value in (("ttft_p99_seconds", seen.ttft_p99_s), ("tpot_p99_seconds", seen.tpot_p99_s),
+                                ("feasible_batch", seen.feasible_batch), ("input_tokens_per_second", seen.input_tps)):
+            if value is not None:
+                self.measured.labels(m, quantity).set(value)
+        if d.action == Action.HOLD:
+            return
+        if pool in self._last:
+            self.last.remove(*self._last[pool])
+        self._last[pool] = (m, pool, d.action.value, str(d.current), str(d.target), d.reason)
+        self.last.labels(*self._last[pool]).set(time.time())
