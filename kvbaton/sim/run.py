@@ -95,10 +95,25 @@ def _latency(args: argparse.Namespace) -> tuple[StepLatencyModel, dict]:
     if args.profile is not None:
         from kvbaton.sim.profiled import ProfiledLatency
 
-        path = Path(args.profile)
-        doc = json.loads(path.read_text())
-        return ProfiledLatency.load(path), doc.get("engine", {})
-    raise ConfigError("--hardware: the roofline step-latency model is not wired into `sim run` yet")
+        latency = ProfiledLatency.load(args.profile)  # a clear error for a file that is not a profile
+        return latency, json.loads(Path(args.profile).read_text()).get("engine", {})
+    return _roofline(args)
+
+
+def _roofline(args: argparse.Namespace) -> tuple[StepLatencyModel, dict]:
+    """A roofline of `--tp` x `--pp` devices of `--hardware` running `--model-preset` (bf16 weights and KV)."""
+    from kvbaton.sim.hardware import hardware_preset
+    from kvbaton.sim.model_spec import KVDtype, resolve_model
+    from kvbaton.sim.roofline import Parallelism, RooflineLatency
+
+    if args.model_preset is None:
+        raise ConfigError("--hardware needs --model-preset (a preset name or an HF config.json)")
+    if args.num_blocks is None:
+        raise ConfigError("--hardware needs --num-blocks (`kvbaton plan` prints an instance's KV pool)")
+    model = resolve_model(args.model_preset)
+    latency = RooflineLatency(model=model, hardware=hardware_preset(args.hardware),
+                              parallel=Parallelism(tp=args.tp, pp=args.pp))
+    return latency, {"kv_bytes_per_token": model.kv_bytes_per_token(KVDtype.BF16)}
 
 
 def print_instances(run: SimRun, console: Console) -> None:

@@ -1,0 +1,182 @@
+"""When does disaggregation pay on this CPU? A measured grid of long-prompt length x share, and the simulator's.
+
+    .venv/bin/python benchmarks/bench_pd_crossover.py                        # 3 x 3 grid (~30 min, 2 cores)
+    .venv/bin/python benchmarks/bench_pd_crossover.py --lengths 512,2048 --shares 0.15 --num-prompts 16
+
+Two set-ups of `kvbaton serve` (default model, bf16), each given this machine's 2 cores, as bench_pd.py:
+
+    pd      --prefill 1 --decode 1 --threads 1 --local-prefill-threshold 256   (long prompts on the prefill worker)
+    single  --threads 2 --max-num-batched-tokens 256                           (one chunked-prefill worker)
+
+Each cell of the grid is one `kvbaton bench serve --dataset mixed` run (short prompts 64 tokens, 64 output
+tokens, --ignore-eos, the cell's share of long prompts at the cell's length, at --rate req/s), the same seed
+for both set-ups. Its recorded trace is then replayed through `kvbaton sim` with this machine's step
+profiles. Reported per cell: TPOT p99 of pd / single (below 1: disaggregation wins) measured and simulated,
+and per share the crossover length (the shortest long prompt at which pd wins), measured vs simulated.
+
+Writes benchmarks/results/pd-crossover-<date>.json, pd-crossover.md and pd-crossover.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from common.machine import cpu_name, kvbaton_commit
+from common.prompts import fresh_seed
+from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
+from common.servers import Server, free_port, kvbaton_server
+from common.sim import Deployment, ensure_profile, kv_pool, replay
+from kvbaton.bench.metrics import SLO
+
+KV_GB = 2.0
+COMMON_ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--kv-cache-memory-gb", str(KV_GB)]
+SETUPS = {"pd": Deployment(threads=1, num_prefill=1, local_prefill_threshold=256),
+          "single": Deployment(threads=2, max_num_batched_tokens=256)}
+TPOT_SLO_MS = 150.0
+
+
+def cell_args(length: int, share: float, rate: float, n: int, seed: int, model_dir: str) -> list[str]:
+    return ["--dataset", "mixed", "--long-fraction", str(share), "--long-input-len", str(length),
+            "--short-input-len", "64", "--output-len", "64", "--ignore-eos", "--request-rate", str(rate),
+            "--num-prompts", str(n), "--seed", str(seed), "--tokenizer", model_dir, "--num-warmups", "2",
+            "--no-progress"]
+
+
+def measure_setup(name: str, cells: list[tuple[int, float]], args: argparse.Namespace, seed: int, run_stamp: str,
+                  model_dir: str) -> dict[str, Path]:
+    """One server for the set-up, one bench run per cell; the trace file of each cell."""
+    spec = kvbaton_server(name=f"kvbaton serve ({name})", port=free_port(),
+                          serve_args=[*COMMON_ARGS, *SETUPS[name].serve_args()], env=dict(os.environ),
+                          timeout_s=300, log_path=RESULTS_DIR / f"pd-crossover-{run_stamp}-{name}.log",
+                          health_path="/health")
+    traces = {}
+    with Server(spec) as server:
+        for i, (length, share) in enumerate(cells):
+            out = RESULTS_DIR / f"pd-crossover-{run_stamp}-{name}-{length}-{share}.json"
+            print(f"   {name}: long {length} x {share:.0%}", flush=True)
+            subprocess.run([sys.executable, "-m", "kvbaton.cli", "bench", "serve", "--base-url", server.base_url,
+                            *cell_args(length, share, args.rate, args.num_prompts, seed + i, model_dir),
+                            "--result-json", str(out)], check=True, stdout=subprocess.DEVNULL)
+            traces[f"{length}x{share}"] = out
+    return traces
+
+
+def crossover(ratios: dict[int, float | None]) -> int | None:
+    """The shortest long-prompt length from which pd stays better (ratio < 1); None if it never is."""
+    lengths = sorted(ratios)
+    for i, length in enumerate(lengths):
+        if all((ratios[x] or 2.0) < 1.0 for x in lengths[i:]):
+            return length
+    return None
+
+
+def score(doc: dict, lengths: list[int], shares: list[float]) -> None:
+    for share in shares:
+        for source in ("measured", "simulated"):
+            row = {length: doc["cells"][f"{length}x{share}"].get(f"{source}_ratio") for length in lengths}
+            doc["crossover"].setdefault(str(share), {})[source] = crossover(row)
+        m, s = (doc["crossover"][str(share)][k] for k in ("measured", "simulated"))
+        steps = [*lengths, None]
+        doc["crossover"][str(share)]["grid_steps_apart"] = abs(steps.index(m) - steps.index(s))
+
+
+def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None:
+    lines = ["# When to disaggregate on this CPU: the crossover, measured and simulated", "",
+             f"Command: `{doc['command']}`", "",
+             f"Run {doc['started']} on {doc['cpu']}, commit {doc['commit']}, seed {doc['seed']}, "
+             f"{doc['num_prompts']} requests per cell at {doc['rate']} req/s; wall {doc['wall_s']:.0f} s.", "",
+             "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads), measured | simulated "
+             "(the simulator replays each measured cell's trace). Below 1: disaggregation wins.", "",
+             "| long share \\ length | " + " | ".join(str(n) for n in lengths) + " | crossover measured | simulated |",
+             "|---|" + "---|" * (len(lengths) + 2)]
+    for share in shares:
+        cells = [doc["cells"][f"{n}x{share}"] for n in lengths]
+        cross = doc["crossover"][str(share)]
+        pairs = [f"{_f(c.get('measured_ratio'))} \\| {_f(c.get('simulated_ratio'))}" for c in cells]
+        lines.append(f"| {share:.0%} | " + " | ".join(pairs)
+                     + f" | {cross['measured'] or 'never'} | {cross['simulated'] or 'never'} |")
+    lines += ["", "Per cell, TPOT p99 ms (pd / single), measured and simulated:", ""]
+    for key, c in doc["cells"].items():
+        lines.append(f"- {key}: measured {_f(c.get('pd_tpot_p99'))} / {_f(c.get('single_tpot_p99'))}, simulated "
+                     f"{_f(c.get('sim_pd_tpot_p99'))} / {_f(c.get('sim_single_tpot_p99'))}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def plot(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, source in zip(axes, ("measured", "simulated")):
+        grid = np.array([[doc["cells"][f"{n}x{s}"].get(f"{source}_ratio") or np.nan for n in lengths]
+                         for s in shares])
+        im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.5, vmax=1.5, origin="lower")
+        for (i, j), v in np.ndenumerate(grid):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center")
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        ax.set_yticks(range(len(shares)), [f"{s:.0%}" for s in shares])
+        ax.set_xlabel("long prompt tokens")
+        ax.set_title(f"{source}: TPOT p99 pd / single")
+    axes[0].set_ylabel("share of long prompts")
+    fig.colorbar(im, ax=axes, shrink=0.8)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", default="512,1024,2048")
+    ap.add_argument("--shares", default="0.05,0.15,0.3")
+    ap.add_argument("--rate", type=float, default=0.4)
+    ap.add_argument("--num-prompts", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR, help="sim-profile-t{1,2}.json (else measured)")
+    args = ap.parse_args()
+    from kvbaton.models.registry import pull_default_model
+
+    model_dir = str(pull_default_model())
+    lengths, shares = [int(x) for x in args.lengths.split(",")], [float(x) for x in args.shares.split(",")]
+    cells = [(n, s) for s in shares for n in lengths]
+    seed = fresh_seed() if args.seed is None else args.seed
+    started = datetime.now()
+    run_stamp = stamp(started)
+    profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in (1, 2)}
+    doc: dict = {"started": started.isoformat(timespec="seconds"),
+                 "command": command_line("bench_pd_crossover.py", sys.argv[1:]), "commit": kvbaton_commit(),
+                 "cpu": cpu_name(), "seed": seed, "rate": args.rate, "num_prompts": args.num_prompts,
+                 "cells": {f"{n}x{s}": {} for n, s in cells}, "crossover": {}}
+    t0 = time.monotonic()
+    pool, slo = kv_pool(model_dir, KV_GB), SLO(tpot_ms=TPOT_SLO_MS)
+    for name, deployment in SETUPS.items():
+        print(f"== {name}: kvbaton serve {' '.join(deployment.serve_args())}", flush=True)
+        for key, trace in measure_setup(name, cells, args, seed, run_stamp, model_dir).items():
+            measured = read_json(trace)["runs"][0]["summary"]
+            simulated, _ = replay(deployment, trace, profiles[deployment.threads], pool, slo)
+            doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],
+                                      f"sim_{name}_tpot_p99": simulated.tpot_ms.p99})
+    for c in doc["cells"].values():
+        for source, prefix in (("measured", ""), ("simulated", "sim_")):
+            pd, single = c.get(f"{prefix}pd_tpot_p99"), c.get(f"{prefix}single_tpot_p99")
+            c[f"{source}_ratio"] = pd / single if pd and single else None
+    score(doc, lengths, shares)
+    doc["wall_s"] = time.monotonic() - t0
+    write_json(RESULTS_DIR / f"pd-crossover-{run_stamp}.json", doc, indent=1)
+    write_report(doc, lengths, shares, RESULTS_DIR / "pd-crossover.md")
+    plot(doc, lengths, shares, RESULTS_DIR / "pd-crossover.png")
+    print((RESULTS_DIR / "pd-crossover.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
