@@ -1,0 +1,67 @@
+"""`kvbaton plan` end to end through `kvbaton.cli.main`: the article's example, a search, bad input.
+
+Simulated windows are a few seconds and searches two steps long, so each run takes seconds, not minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from kvbaton.cli import main
+
+FAST = ["--window-s", "3", "--search-steps", "2", "--max-requests", "60", "--quiet"]
+
+
+def test_article_example_prints_the_formula_and_three_ranked_actions(capsys, tmp_path) -> None:
+    out_json = tmp_path / "article.json"
+    assert main(["plan", "--example", "article", *FAST, "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    flat = " ".join(out.split())
+    assert "2 (K and V) x 80 layers x 8 KV heads x 128 head_dim x 2 B = 327,680 B = 320.0 KiB per token" in flat
+    assert "x 1,800 tokens (1500 + 300) = 562.5 MiB" in flat
+    assert "141.1 GB / 8 GPUs = 17.6 GB per GPU" in flat
+    assert "Little's law: 25.0 QPS per instance" in flat
+    assert re.search(r"KV pool: .* GB per GPU, \d+ GB per instance = [\d,]+ tokens = \d+ sequences", flat)
+    ranks = re.findall(r"│\s+([123]) │ (TP/PP re-configuration|KV quantization|scheduling parameters)", out)
+    assert [r for r, _ in ranks] == ["1", "2", "3"]
+    assert {kind for _, kind in ranks} == {"TP/PP re-configuration", "KV quantization", "scheduling parameters"}
+    doc = json.loads(out_json.read_text())
+    assert doc["diagnosis"]["current"]["memory"]["kv_bytes_per_token"] == 327_680
+    assert len(doc["actions"]) == 3 and len(doc["findings"]) >= 5
+
+
+def test_search_from_a_config_json_with_plots(capsys, tmp_path) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+              "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
+              "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["plan", "--model", str(tmp_path / "config.json"), "--hardware", "xeon-amx-2vcpu", "--qps", "2",
+            "--input-len", "64", "--output-len", "16", "--tp", "1", "--pp", "1", "--gpus", "1",
+            "--plot-dir", str(tmp_path / "plots"), "--json", str(tmp_path / "plan.json"), *FAST]
+    assert main(args) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "recommended" in out or "no configuration met" in out
+    assert "disaggregation" in out
+    assert (tmp_path / "plots" / "goodput_per_gpu.png").stat().st_size > 0
+    assert (tmp_path / "plots" / "memory_per_gpu.png").stat().st_size > 0
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["candidates"][0]["memory"]["kv_bytes_per_token"] == 23_040
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "llama-9", "--qps", "1"], "unknown model preset"),
+    (["--qps", "-3"], "--qps must be a positive number"),
+    (["--hardware", "tpu-v9", "--qps", "1"], "unknown hardware"),
+    (["--model", "llama-3-70b", "--hardware", "a100-80gb", "--weight-dtype", "fp32", "--tp", "1,2", "--pp", "1",
+      "--qps", "1"], "fits in no configuration"),
+    (["--tp", "a,b", "--qps", "1"], "comma-separated sizes"),
+    (["--current-tp", "2", "--qps", "1"], "needs its size"),
+    ([], "--qps"),
+])
+def test_bad_input_is_one_line_and_status_2(capsys, args: list[str], message: str) -> None:
+    assert main(["plan", *args, *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbaton: error:") and message in err and "\n" not in err
