@@ -1,6 +1,6 @@
 """The SLA autoscaler's pure parts: the (batch, TPOT) model, the per-pool verdicts and their hysteresis, bounds,
 cooldown and --max-workers, the window that turns samples into measurements, and the configuration's checks.
-The live load step is tests/server/test_autoscale.py."""
+The live load step is tests/server/test_autoscale_serving.py."""
 
 from __future__ import annotations
 
