@@ -96,7 +96,8 @@ def _latency(args: argparse.Namespace) -> tuple[StepLatencyModel, dict]:
         from kvbaton.sim.profiled import ProfiledLatency
 
         latency = ProfiledLatency.load(args.profile)  # a clear error for a file that is not a profile
-        return latency, json.loads(Path(args.profile).read_text()).get("engine", {})
+        profile = json.loads(Path(args.profile).read_text())  # the profiled engine's pool, as defaults
+        return latency, {k: profile[k] for k in ("num_blocks", "kv_bytes_per_token", "max_model_len") if k in profile}
     return _roofline(args)
 
 
