@@ -22,8 +22,10 @@ from dataclasses import dataclass
 
 from kvbaton.bench.records import RequestRecord, RunResult
 from kvbaton.disagg.policies import Policy, make_policy
+from kvbaton.engine.info import EngineInfo, validate_request
 from kvbaton.engine.outputs import EngineCoreOutput, FinishReason, RemoteDecode
 from kvbaton.engine.request import Request
+from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
 from kvbaton.sim.flight import Flight
 from kvbaton.sim.instance import PLACEHOLDER_TOKEN, ArrivalClock, Reservation, SimInstance, remote_decode, sim_request
@@ -91,6 +93,10 @@ class _Simulation:
         self.prefill_policy: Policy = make_policy(cluster.prefill_policy, cluster.prefill_instance.block_size)
         self.admission = AdmissionController(AdmissionLimits(cluster.max_waiting_requests),
                                              cluster.decode.capacity_tokens)
+        spec = cluster.decode
+        self.info = EngineInfo(max_model_len=spec.max_model_len, vocab_size=2**31 - 1, num_blocks=spec.num_blocks,
+                               block_size=spec.block_size, max_num_batched_tokens=spec.scheduler.max_num_batched_tokens,
+                               enable_chunked_prefill=spec.scheduler.enable_chunked_prefill, eos_token_ids=())
         self.flights: dict[str, Flight] = {}
         self.clock = ArrivalClock()
         self.waiting_receives: dict[str, deque[Flight]] = {d.name: deque() for d in self.decoders}
@@ -154,12 +160,11 @@ class _Simulation:
         self.dispatch(flight)
 
     def _invalid(self, req: SimRequest) -> str | None:
-        """The router's validation (kvbaton.engine.info.validate_request) of what the simulator can see."""
-        spec = self.cluster.decode
-        if len(req.prompt_token_ids) >= spec.max_model_len:
-            return f"prompt of {len(req.prompt_token_ids)} tokens: context length is {spec.max_model_len}"
-        if -(-(len(req.prompt_token_ids) + 1) // spec.block_size) > spec.num_blocks:
-            return f"prompt of {len(req.prompt_token_ids)} tokens cannot fit in the KV cache"
+        """The router's own validation (`validate_request`) against the decode instance's figures."""
+        try:
+            validate_request(self.info, list(req.prompt_token_ids), SamplingParams(max_tokens=req.output_len))
+        except InvalidRequestError as exc:
+            return str(exc)
         return None
 
     def dispatch(self, flight: Flight) -> None:
