@@ -31,11 +31,9 @@ from common.machine import cpu_name, kvbaton_commit
 from common.prompts import fresh_seed
 from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
 from common.servers import Server, free_port, kvbaton_server
-from common.sim import Deployment, ensure_profile, kv_pool, replay
+from common.sim import COMMON_SERVE_ARGS, KV_GB, Deployment, ensure_host_overhead, ensure_profile, kv_pool, replay
 from kvbaton.bench.metrics import SLO
 
-KV_GB = 2.0
-COMMON_ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--kv-cache-memory-gb", str(KV_GB)]
 SETUPS = {"pd": Deployment(threads=1, num_prefill=1, local_prefill_threshold=256),
           "single": Deployment(threads=2, max_num_batched_tokens=256)}
 TPOT_SLO_MS = 150.0
@@ -52,7 +50,7 @@ def measure_setup(name: str, cells: list[tuple[int, float]], args: argparse.Name
                   model_dir: str) -> dict[str, Path]:
     """One server for the set-up, one bench run per cell; the trace file of each cell."""
     spec = kvbaton_server(name=f"kvbaton serve ({name})", port=free_port(),
-                          serve_args=[*COMMON_ARGS, *SETUPS[name].serve_args()], env=dict(os.environ),
+                          serve_args=[*COMMON_SERVE_ARGS, *SETUPS[name].serve_args()], env=dict(os.environ),
                           timeout_s=300, log_path=RESULTS_DIR / f"pd-crossover-{run_stamp}-{name}.log",
                           health_path="/health")
     traces = {}
@@ -92,7 +90,9 @@ def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path)
              f"Run {doc['started']} on {doc['cpu']}, commit {doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per cell at {doc['rate']} req/s; wall {doc['wall_s']:.0f} s.", "",
              "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads), measured | simulated "
-             "(the simulator replays each measured cell's trace). Below 1: disaggregation wins.", "",
+             "(the simulator replays each measured cell's trace, with the frontend's costs calibrated on a separate "
+             "load: " + "; ".join(f"{t}-thread workers {h}" for t, h in doc["host"].items())
+             + "). Below 1: disaggregation wins.", "",
              "| long share \\ length | " + " | ".join(str(n) for n in lengths) + " | crossover measured | simulated |",
              "|---|" + "---|" * (len(lengths) + 2)]
     for share in shares:
@@ -142,7 +142,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.4)
     ap.add_argument("--num-prompts", type=int, default=30)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR, help="sim-profile-t{1,2}.json (else measured)")
+    ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR,
+                    help="sim-profile-t{1,2}.json, sim-host-t{1,2}.json (else measured)")
     args = ap.parse_args()
     from kvbaton.models.registry import pull_default_model
 
@@ -153,9 +154,13 @@ def main() -> None:
     started = datetime.now()
     run_stamp = stamp(started)
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in (1, 2)}
+    hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
+             for t in (1, 2)}
     doc: dict = {"started": started.isoformat(timespec="seconds"),
                  "command": command_line("bench_pd_crossover.py", sys.argv[1:]), "commit": kvbaton_commit(),
-                 "cpu": cpu_name(), "seed": seed, "rate": args.rate, "num_prompts": args.num_prompts,
+                 "cpu": cpu_name(), "seed": seed,
+                 "host": {str(t): h.describe() for t, h in hosts.items()}, "rate": args.rate,
+                 "num_prompts": args.num_prompts,
                  "cells": {f"{n}x{s}": {} for n, s in cells}, "crossover": {}}
     t0 = time.monotonic()
     pool, slo = kv_pool(model_dir, KV_GB), SLO(tpot_ms=TPOT_SLO_MS)
@@ -163,7 +168,7 @@ def main() -> None:
         print(f"== {name}: kvbaton serve {' '.join(deployment.serve_args())}", flush=True)
         for key, trace in measure_setup(name, cells, args, seed, run_stamp, model_dir).items():
             measured = read_json(trace)["runs"][0]["summary"]
-            simulated, _ = replay(deployment, trace, profiles[deployment.threads], pool, slo)
+            simulated, _ = replay(deployment, trace, profiles[deployment.threads], pool, slo, hosts[deployment.threads])
             doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],
                                       f"sim_{name}_tpot_p99": simulated.tpot_ms.p99})
     for c in doc["cells"].values():

@@ -1,14 +1,17 @@
 """Is the simulator right? Measured vs simulated TTFT and TPOT (p50, p99) on this machine, load by load.
 
-    .venv/bin/python benchmarks/bench_sim_validation.py                  # profiles + 6 loads (~25 min, 2 cores)
+    .venv/bin/python benchmarks/bench_sim_validation.py        # profiles, calibration, 6 loads (~30 min, 2 cores)
     .venv/bin/python benchmarks/bench_sim_validation.py --profiles-from benchmarks/results  # reuse profiles
     .venv/bin/python benchmarks/bench_sim_validation.py --loads pd-mixed --num-prompts 20
 
-For each load: start `kvbaton serve` (default model, bf16, nothing else on the machine), drive it with
-`kvbaton bench serve` (fresh seed, --ignore-eos, --result-json), stop it; then replay the recorded run
-(`kvbaton sim run --trace`: the same send times and lengths) through the simulator with the step-latency
-model `kvbaton sim profile` measured for the workers' thread count. Targets (Vidur reports < 9%):
-within 10% at p50 and 15% at p99. The peer here is reality itself: every ratio is simulated / measured.
+First, per worker thread count, the step-latency model (`kvbaton sim profile`, the engine alone) and the
+frontend's costs (`kvbaton sim calibrate`: a dispatch delay and a CPU price per streamed token, fitted to the
+TTFT and TPOT medians of one calibration load that is none of the loads below; kvbaton.sim.host). Then for
+each load: start `kvbaton serve` (default model, bf16, nothing else on the machine), drive it with
+`kvbaton bench serve` (fresh seed, --ignore-eos, --result-json), stop it; replay the recorded run (the same
+send times and lengths) through the simulator, with the frontend's costs and without them (the engines
+alone). Targets (Vidur reports < 9%): within 10% at p50 and 15% at p99. The peer here is reality itself:
+every ratio is simulated / measured.
 
 Writes benchmarks/results/sim-validation-<date>.json and benchmarks/results/sim-validation.md.
 """
@@ -16,7 +19,6 @@ Writes benchmarks/results/sim-validation-<date>.json and benchmarks/results/sim-
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -27,12 +29,9 @@ from pathlib import Path
 from common.machine import cpu_name, kvbaton_commit
 from common.prompts import fresh_seed
 from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
-from common.servers import Server, free_port, kvbaton_server
-from common.sim import Deployment, ensure_profile, kv_pool, replay
+from common.sim import KV_GB, RANDOM, Deployment, ensure_host_overhead, ensure_profile, kv_pool, measure, replay
 from kvbaton.bench.metrics import SLO, Summary
 
-KV_GB = 2.0
-COMMON_ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--kv-cache-memory-gb", str(KV_GB)]
 TARGETS = {"p50": 0.10, "p99": 0.15}
 
 
@@ -43,7 +42,6 @@ class Load:
     deployment: Deployment
 
 
-RANDOM = ["--dataset", "random", "--input-len", "256", "--output-len", "64", "--range-ratio", "0.5"]
 MIXED = ["--dataset", "mixed", "--long-fraction", "0.15", "--long-input-len", "1024", "--short-input-len", "64",
          "--output-len", "64", "--request-rate", "0.4"]
 LOADS = [
@@ -57,26 +55,15 @@ LOADS = [
 ]
 
 
-def measure(load: Load, seed: int, n: int, run_stamp: str, model_dir: str) -> Path:
-    out = RESULTS_DIR / f"sim-validation-{run_stamp}-{load.name}.json"
-    spec = kvbaton_server(name=f"kvbaton serve ({load.name})", port=free_port(),
-                          serve_args=[*COMMON_ARGS, *load.deployment.serve_args()], env=dict(os.environ), timeout_s=300,
-                          log_path=RESULTS_DIR / f"sim-validation-{run_stamp}-{load.name}.log", health_path="/health")
-    with Server(spec) as server:
-        subprocess.run([sys.executable, "-m", "kvbaton.cli", "bench", "serve", "--base-url", server.base_url,
-                        *load.bench_args, "--num-prompts", str(n), "--ignore-eos", "--seed", str(seed),
-                        "--tokenizer", model_dir, "--num-warmups", "2", "--result-json", str(out), "--no-progress"],
-                       check=True, stdout=subprocess.DEVNULL)
-    return out
-
-
-def compare(measured: dict, sim: Summary, wall_s: float) -> dict:
+def compare(measured: dict, sim: Summary, engines_only: Summary, wall_s: float) -> dict:
     row: dict = {}
     for metric in ("ttft_ms", "tpot_ms"):
         for p in ("p50", "p99"):
-            real, model = measured[metric][p], getattr(getattr(sim, metric), p)
-            row[f"{metric}_{p}"] = {"measured": real, "simulated": model,
-                                    "error": (model - real) / real if real else None}
+            real = measured[metric][p]
+            model, bare = (getattr(getattr(x, metric), p) for x in (sim, engines_only))
+            row[f"{metric}_{p}"] = {"measured": real, "simulated": model, "engines_only": bare,
+                                    "error": (model - real) / real if real else None,
+                                    "engines_only_error": (bare - real) / real if real else None}
     row["sim_wall_s"] = wall_s
     return row
 
@@ -87,9 +74,13 @@ def write_report(doc: dict, path: Path) -> None:
              f"Run {doc['started']} on {doc['cpu']}, commit {doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per load; wall {doc['wall_s']:.0f} s.", "",
              "Each load was measured against a real `kvbaton serve`, then its recorded trace (send times, lengths) "
-             "was replayed through `kvbaton sim` with the step-latency model profiled on this machine. "
-             f"Targets: |error| <= {TARGETS['p50']:.0%} at p50, <= {TARGETS['p99']:.0%} at p99.", "",
-             "| load | metric | measured p50 | sim p50 | error | measured p99 | sim p99 | error |",
+             "was replayed through `kvbaton sim` with the step-latency model profiled on this machine and the "
+             "frontend's costs calibrated on a separate load (" + "; ".join(
+                 f"{t}-thread workers: {h}" for t, h in doc["host"].items()) + "). "
+             f"Targets: |error| <= {TARGETS['p50']:.0%} at p50, <= {TARGETS['p99']:.0%} at p99. In brackets: the "
+             "error of the engines alone (no frontend costs).", "",
+             "| load | metric | measured p50 | sim p50 | error (engines only) | measured p99 | sim p99 | "
+             "error (engines only) |",
              "|---|---|---|---|---|---|---|---|"]
     for name, row in doc["loads"].items():
         if "error" in row and isinstance(row["error"], str):
@@ -98,8 +89,8 @@ def write_report(doc: dict, path: Path) -> None:
         for metric in ("ttft_ms", "tpot_ms"):
             a, b = row[f"{metric}_p50"], row[f"{metric}_p99"]
             lines.append(f"| {name} | {metric[:4].upper()} ms | {a['measured']:.1f} | {a['simulated']:.1f} | "
-                         f"{_pct(a['error'], 'p50')} | {b['measured']:.1f} | {b['simulated']:.1f} | "
-                         f"{_pct(b['error'], 'p99')} |")
+                         f"{_pct(a['error'], 'p50')} ({a['engines_only_error']:+.0%}) | {b['measured']:.1f} | "
+                         f"{b['simulated']:.1f} | {_pct(b['error'], 'p99')} ({b['engines_only_error']:+.0%}) |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -114,7 +105,8 @@ def main() -> None:
     ap.add_argument("--loads", default=",".join(load.name for load in LOADS))
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--profiles-from", type=Path, default=None, help="reuse sim-profile-t{1,2}.json from here")
+    ap.add_argument("--profiles-from", type=Path, default=None,
+                    help="reuse sim-profile-t{1,2}.json and sim-host-t{1,2}.json from here")
     args = ap.parse_args()
     from kvbaton.models.registry import pull_default_model
 
@@ -127,21 +119,27 @@ def main() -> None:
     chosen = [load for load in LOADS if load.name in args.loads.split(",")]
     threads = {load.deployment.threads for load in chosen}
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in threads}
+    hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
+             for t in threads}
     doc = {"started": started.isoformat(timespec="seconds"),
            "command": command_line("bench_sim_validation.py", sys.argv[1:]),
            "commit": kvbaton_commit(), "cpu": cpu_name(), "seed": seed, "num_prompts": args.num_prompts,
-           "profiles": {str(t): str(p) for t, p in profiles.items()}, "loads": {}}
+           "profiles": {str(t): str(p) for t, p in profiles.items()},
+           "host": {str(t): h.describe() for t, h in hosts.items()}, "loads": {}}
     t0 = time.monotonic()
     for i, load in enumerate(chosen):
         print(f"== {load.name}: kvbaton serve {' '.join(load.deployment.serve_args())}", flush=True)
         try:
-            trace = measure(load, seed + i, args.num_prompts, run_stamp, model_dir)
+            trace = measure(load.deployment, load.bench_args, n=args.num_prompts, seed=seed + i,
+                            out=RESULTS_DIR / f"sim-validation-{run_stamp}-{load.name}.json", model_dir=model_dir)
         except (RuntimeError, subprocess.CalledProcessError) as exc:
             doc["loads"][load.name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         measured = read_json(trace)["runs"][0]["summary"]
-        summary, run = replay(load.deployment, trace, profiles[load.deployment.threads], pool, SLO())
-        row = compare(measured, summary, run.wall_s)
+        t = load.deployment.threads
+        summary, run = replay(load.deployment, trace, profiles[t], pool, SLO(), hosts[t])
+        engines_only, _ = replay(load.deployment, trace, profiles[t], pool, SLO())
+        row = compare(measured, summary, engines_only, run.wall_s)
         doc["loads"][load.name] = {**row, "trace": trace.name}
         print("   " + ", ".join(f"{k} {v['measured']:.1f} vs {v['simulated']:.1f}" for k, v in row.items()
                                 if isinstance(v, dict)), flush=True)

@@ -1,22 +1,29 @@
 """Shared by the simulator's benchmarks: the engine's pool as `kvbaton serve` sizes it, this machine's step
-profiles, and the replay of a measured `kvbaton bench serve` run through the simulator."""
+profiles and frontend costs, one measured `kvbaton bench serve` run, and its replay through the simulator."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.servers import Server, free_port, kvbaton_server
 from kvbaton.bench.metrics import SLO, Summary, summarize
 from kvbaton.config import SchedulerConfig
+from kvbaton.sim.calibrate import calibrate
+from kvbaton.sim.host import HostOverhead
 from kvbaton.sim.links import link_preset
 from kvbaton.sim.profiled import ProfiledLatency
 from kvbaton.sim.simulator import SimRun, simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec
-from kvbaton.sim.workload import trace_requests
+from kvbaton.sim.workload import trace_medians, trace_requests
 
 MAX_MODEL_LEN = 4096
+KV_GB = 2.0
+COMMON_SERVE_ARGS = ["--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb", str(KV_GB)]
+RANDOM = ["--dataset", "random", "--input-len", "256", "--output-len", "64", "--range-ratio", "0.5"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,9 +70,49 @@ def ensure_profile(threads: int, out_dir: Path, model_dir: str, reuse: Path | No
     return path
 
 
-def replay(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, int], slo: SLO) -> tuple[Summary,
-                                                                                                        SimRun]:
-    """The measured run `trace` (send times, lengths) through the simulated `deployment`."""
+def measure(deployment: Deployment, bench_args: list[str], *, n: int, seed: int, out: Path, model_dir: str) -> Path:
+    """One `kvbaton bench serve` run (`n` requests, --ignore-eos, 2 warm-ups) against a fresh `kvbaton serve` of
+    `deployment`; its result JSON (the trace to replay) is `out`, the server's log beside it."""
+    spec = kvbaton_server(name=f"kvbaton serve ({out.stem})", port=free_port(),
+                          serve_args=[*COMMON_SERVE_ARGS, *deployment.serve_args()], env=dict(os.environ),
+                          timeout_s=300, log_path=out.with_suffix(".log"), health_path="/health")
+    with Server(spec) as server:
+        subprocess.run([sys.executable, "-m", "kvbaton.cli", "bench", "serve", "--base-url", server.base_url,
+                        *bench_args, "--num-prompts", str(n), "--ignore-eos", "--seed", str(seed),
+                        "--tokenizer", model_dir, "--num-warmups", "2", "--result-json", str(out), "--no-progress"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+# The calibration loads: not among any benchmark's measured loads, so what is validated was not fitted. Two
+# workers of 1 thread share the cores with the frontend as 1P+1D and two replicas do.
+CALIBRATION = {2: (Deployment(threads=2), [*RANDOM, "--request-rate", "1"]),
+               1: (Deployment(threads=1, num_decode=2), [*RANDOM, "--request-rate", "1"])}
+
+
+def ensure_host_overhead(threads: int, out_dir: Path, model_dir: str, reuse: Path | None, *, profile: Path,
+                         seed: int, n: int = 40) -> HostOverhead:
+    """`sim-host-t{threads}.json` from `reuse` if it is there, else fitted now to a measured calibration load."""
+    if reuse is not None and (reuse / f"sim-host-t{threads}.json").exists():
+        return HostOverhead.load(reuse / f"sim-host-t{threads}.json")
+    deployment, bench_args = CALIBRATION[threads]
+    print(f"== calibrating the frontend's costs, {threads}-thread workers: {' '.join(bench_args)}", flush=True)
+    trace = measure(deployment, bench_args, n=n, seed=seed, out=out_dir / f"sim-host-t{threads}-trace.json",
+                    model_dir=model_dir)
+    ttft_ms, tpot_ms = trace_medians(trace)
+    pool = kv_pool(model_dir, KV_GB)
+    fit = calibrate(lambda host: replay(deployment, trace, profile, pool, SLO(), host)[0],
+                    measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+                    label=f"{trace.name}: {' '.join(deployment.serve_args())}, {' '.join(bench_args)}")
+    fit.host.save(out_dir / f"sim-host-t{threads}.json")
+    print(f"   {fit.host.describe()} (TTFT p50 {ttft_ms:.1f} ms, TPOT p50 {tpot_ms:.1f} ms measured; engines alone "
+          f"{fit.uncalibrated_ttft_p50_ms:.1f} / {fit.uncalibrated_tpot_p50_ms:.1f})", flush=True)
+    return fit.host
+
+
+def replay(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, int], slo: SLO,
+           host: HostOverhead | None = None) -> tuple[Summary, SimRun]:
+    """The measured run `trace` (send times, lengths) through the simulated `deployment` (and frontend)."""
     num_blocks, kv_bytes = pool
     instance = InstanceSpec(latency=ProfiledLatency.load(profile), num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
                             kv_bytes_per_token=kv_bytes,
@@ -73,5 +120,5 @@ def replay(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, 
     cluster = ClusterSpec(decode=instance, num_decode=deployment.num_decode, num_prefill=deployment.num_prefill,
                           link=link_preset(deployment.link), local_prefill_threshold=deployment.local_prefill_threshold)
     requests, rate = trace_requests(trace)
-    run = simulate(cluster, requests, request_rate=rate)
+    run = simulate(replace(cluster, host=host or HostOverhead()), requests, request_rate=rate)
     return summarize(run.result, slo), run

@@ -30,6 +30,14 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                      help="replay a `kvbaton bench serve --result-json` run (send times and lengths) instead")
     add_load_args(run.add_argument_group("load (as kvbaton bench serve)"))
     add_output_args(run.add_argument_group("SLO and output"))
+    calibrate = sub.add_parser("calibrate", help="fit the frontend's costs to a measured run (for --host-overhead)",
+                               description="Replay a measured `kvbaton bench serve --result-json` run and fit the "
+                                           "serving stack's costs outside the engine (a dispatch delay, a CPU price "
+                                           "per streamed token) to its TTFT and TPOT medians.")
+    _add_deployment_args(calibrate.add_argument_group("deployment (as the measured run's server)"))
+    _add_instance_args(calibrate.add_argument_group("each instance (worker)"))
+    calibrate.add_argument("--trace", required=True, metavar="RESULT_JSON", help="the measured run")
+    calibrate.add_argument("--out", required=True, metavar="PATH", help="where the host-overhead JSON goes")
     _add_profile_args(sub.add_parser("profile", help="measure this machine's engine steps and fit a step-latency "
                                                      "model"))
     return sim
@@ -65,6 +73,8 @@ def _add_deployment_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--routing", default="least_loaded", choices=["round_robin", "least_loaded", "prefix_aware"])
     g.add_argument("--local-prefill-threshold", type=int, default=64)
     g.add_argument("--max-waiting-requests", type=int, default=256)
+    g.add_argument("--host-overhead", default=None, metavar="JSON",
+                   help="the frontend's costs, from `kvbaton sim calibrate` (default: engines alone)")
 
 
 def _add_instance_args(g: argparse._ArgumentGroup) -> None:
@@ -86,13 +96,13 @@ def _add_instance_args(g: argparse._ArgumentGroup) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run a parsed `sim run`; user errors print one line and return 2."""
+    """Run a parsed `sim run` or `sim calibrate`; user errors print one line and return 2."""
     from kvbaton.bench.errors import BenchError
     from kvbaton.config import ConfigError
-    from kvbaton.sim.run import run_simulation
+    from kvbaton.sim.run import run_calibration, run_simulation
 
     try:
-        return run_simulation(args)
+        return run_calibration(args) if args.sim_command == "calibrate" else run_simulation(args)
     except (BenchError, ConfigError, ValueError, OSError) as exc:
         print(f"kvbaton sim: error: {exc}", file=sys.stderr)
         return 2

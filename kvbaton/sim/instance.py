@@ -17,6 +17,7 @@ from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
 from kvbaton.kv.layout import KVLayout
+from kvbaton.sim.host import HostOverhead
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.spec import InstanceSpec
 
@@ -65,8 +66,9 @@ def remote_decode(reservation: Reservation, block_size: int) -> RemoteDecode:
 class SimInstance:
     """A worker's scheduler and its step clock; the simulator decides when steps start and end."""
 
-    def __init__(self, name: str, role: str, spec: InstanceSpec) -> None:
+    def __init__(self, name: str, role: str, spec: InstanceSpec, host: HostOverhead | None = None) -> None:
         self.name, self.role, self.spec = name, role, spec
+        self.host = host or HostOverhead()
         self.kv_cache = KVCacheManager(spec.num_blocks, spec.block_size, spec.enable_prefix_caching)
         self.scheduler = Scheduler(spec.scheduler, self.kv_cache, spec.max_model_len)
         self.step: StepStarted | None = None  # the step in flight, if any
@@ -119,7 +121,9 @@ class SimInstance:
         if not sched.scheduled:
             return None
         shape = StepShape.of(sched.scheduled)
-        self.step = StepStarted(sched, shape, self.spec.latency.step_seconds(shape))
+        num_sampled = sum(1 for item in sched.scheduled if item.sample)
+        seconds = self.spec.latency.step_seconds(shape) + self.host.step_extra_s(num_sampled)
+        self.step = StepStarted(sched, shape, seconds)
         return self.step
 
     def end_step(self) -> list[EngineCoreOutput]:

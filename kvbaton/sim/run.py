@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
@@ -20,11 +21,13 @@ from kvbaton.bench.records import RunResult
 from kvbaton.bench.report import print_report, rate_label, result_document, write_result_json
 from kvbaton.bench.serve import dataset_config
 from kvbaton.config import ConfigError, SchedulerConfig
+from kvbaton.sim.calibrate import calibrate
+from kvbaton.sim.host import HostOverhead
 from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.links import LinkModel, link_preset
 from kvbaton.sim.simulator import SimRun, simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec, SimRequest
-from kvbaton.sim.workload import synthetic_requests, trace_requests
+from kvbaton.sim.workload import synthetic_requests, trace_medians, trace_requests
 
 
 def run_simulation(args: argparse.Namespace) -> int:
@@ -35,7 +38,8 @@ def run_simulation(args: argparse.Namespace) -> int:
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     console = Console() if Console().is_terminal else Console(width=140)
     loads = _loads(args, seed)
-    console.print(f"kvbaton sim: seed {seed}, {cluster.label}, latency {cluster.decode.latency.name}, "
+    host = "" if cluster.host.is_zero else f", frontend {cluster.host.describe()}"
+    console.print(f"kvbaton sim: seed {seed}, {cluster.label}, latency {cluster.decode.latency.name}{host}, "
                   f"{len(loads[0][1])} requests, rates {', '.join(rate_label(r) for r, _ in loads)}")
     runs = [simulate(cluster, requests, request_rate=rate, max_duration_s=args.max_duration_s)
             for rate, requests in loads]
@@ -58,10 +62,33 @@ def _loads(args: argparse.Namespace, seed: int) -> list[tuple[float, list[SimReq
 
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     instance = instance_from_args(args)
+    host = HostOverhead.load(args.host_overhead) if getattr(args, "host_overhead", None) else HostOverhead()
     return ClusterSpec(decode=instance, num_decode=args.decode, num_prefill=args.prefill, link=_link(args),
                        prefill_policy=args.routing, decode_policy=args.routing,
                        local_prefill_threshold=args.local_prefill_threshold,
-                       max_waiting_requests=args.max_waiting_requests)
+                       max_waiting_requests=args.max_waiting_requests, host=host)
+
+
+def run_calibration(args: argparse.Namespace) -> int:
+    """`kvbaton sim calibrate`: the host overhead that makes the replay of `--trace` match its medians."""
+    cluster = cluster_from_args(args)
+    requests, rate = trace_requests(args.trace)
+    ttft_ms, tpot_ms = trace_medians(args.trace)
+
+    def simulate_with(host: HostOverhead) -> Summary:
+        return summarize(simulate(replace(cluster, host=host), requests, request_rate=rate).result, SLO())
+
+    fit = calibrate(simulate_with, measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+                    label=f"{Path(args.trace).name} ({cluster.label})")
+    fit.host.save(Path(args.out))
+    print(f"kvbaton sim calibrate: {cluster.label}, {len(requests)} requests of {args.trace}")
+    print(f"  measured     TTFT p50 {ttft_ms:8.1f} ms   TPOT p50 {tpot_ms:7.1f} ms")
+    print(f"  engines only TTFT p50 {fit.uncalibrated_ttft_p50_ms:8.1f} ms   TPOT p50 "
+          f"{fit.uncalibrated_tpot_p50_ms:7.1f} ms")
+    print(f"  calibrated   TTFT p50 {fit.simulated_ttft_p50_ms:8.1f} ms   TPOT p50 {fit.simulated_tpot_p50_ms:7.1f} ms"
+          f"   ({fit.host.describe()})")
+    print(f"host overhead: {args.out}")
+    return 0
 
 
 def _link(args: argparse.Namespace) -> LinkModel:
@@ -136,7 +163,7 @@ def _write_outputs(args: argparse.Namespace, cluster: ClusterSpec, seed: int, re
     if args.result_json:
         config = {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))}
         config = {**config, "seed": seed, "deployment": cluster.label, "simulated": True,
-                  "latency_model": cluster.decode.latency.name}
+                  "latency_model": cluster.decode.latency.name, "host_overhead": cluster.host.describe()}
         write_result_json(args.result_json, result_document(config, results, summaries))
         console.print(f"results: {args.result_json}")
     if args.plot_dir:

@@ -4,11 +4,15 @@ Three kinds of event, ordered by (time, sequence number) so equal times resolve 
 every run: a request arrives; an instance's step ends; a KV transfer lands. Between events the
 instances' schedulers are touched exactly where the real system touches them:
 
-    arrival ─▶ admission ─▶ decode policy ─┬─ short prompt, or no prefill pool: add_request (local)
-                                           └─ reserve_for_transfer on the decode instance
+    arrival ─▶ admission ─▶ (frontend dispatch delay) ─▶ decode policy ─┬─ short prompt, or no prefill
+                                                                         │  pool: add_request (local)
+                                                                         └─ reserve_for_transfer (decode)
                                                  ├─ no room: retried after each of its steps
                                                  └─ prefill policy ─▶ add_request(remote_decode)
     prefill step samples the first token (TTFT) ─▶ link ─▶ release_held + admit_transferred
+
+The frontend's costs (`ClusterSpec.host`, zero by default) are a delay before routing and a price
+per streamed token added to the step that sampled it (kvbaton.sim.host).
 """
 
 from __future__ import annotations
@@ -84,9 +88,9 @@ class _Simulation:
     def __init__(self, cluster: ClusterSpec) -> None:
         self.cluster = cluster
         decode_role = "decode" if cluster.num_prefill else "both"
-        self.decoders = [SimInstance(f"{decode_role}-{i}", decode_role, cluster.decode)
+        self.decoders = [SimInstance(f"{decode_role}-{i}", decode_role, cluster.decode, cluster.host)
                          for i in range(cluster.num_decode)]
-        self.prefillers = [SimInstance(f"prefill-{i}", "prefill", cluster.prefill_instance)
+        self.prefillers = [SimInstance(f"prefill-{i}", "prefill", cluster.prefill_instance, cluster.host)
                            for i in range(cluster.num_prefill)]
         self.instances = self.prefillers + self.decoders
         self.decode_policy: Policy = make_policy(cluster.decode_policy, cluster.decode.block_size)
@@ -157,7 +161,10 @@ class _Simulation:
             self.counters["rejected"] += 1
             flight.fail("rejected", refused, self.now)
             return
-        self.dispatch(flight)
+        if self.cluster.host.dispatch_s > 0:  # the frontend's own path to the worker (kvbaton.sim.host)
+            self.at(self.now + self.cluster.host.dispatch_s, lambda: self.dispatch(flight))
+        else:
+            self.dispatch(flight)
 
     def _invalid(self, req: SimRequest) -> str | None:
         """The router's own validation (`validate_request`) against the decode instance's figures."""

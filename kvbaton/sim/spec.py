@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbaton.config import ConfigError, SchedulerConfig
+from kvbaton.sim.host import HostOverhead
 from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.links import LinkModel, link_preset
 
@@ -53,6 +54,7 @@ class ClusterSpec:
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode instance
     max_waiting_requests: int = 256  # the server's admission control: refused (503) beyond this
+    host: HostOverhead = field(default_factory=HostOverhead)  # the frontend's share (none: engines alone)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:

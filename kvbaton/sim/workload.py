@@ -58,3 +58,12 @@ def trace_requests(path: str | Path, run_index: int = 0, seed: int = 0) -> tuple
         prompt = tuple(int(t) for t in rng.integers(0, VOCAB, int(rec["prompt_len"])))
         requests.append(SimRequest(int(rec["request_id"]), float(rec["send_s"]), prompt, int(output_len)))
     return requests, rate if math.isfinite(rate) else math.inf
+
+
+def trace_medians(path: str | Path, run_index: int = 0) -> tuple[float, float]:
+    """(TTFT p50, TPOT p50) in ms that a `kvbaton bench serve --result-json` run measured: what calibration fits."""
+    try:
+        summary = json.loads(Path(path).read_text())["runs"][run_index]["summary"]
+        return float(summary["ttft_ms"]["p50"]), float(summary["tpot_ms"]["p50"])
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ConfigError(f"{path}: no measured TTFT and TPOT medians in run {run_index}: {exc}") from exc
