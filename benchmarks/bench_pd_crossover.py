@@ -14,7 +14,7 @@ for both set-ups. Its recorded trace is then replayed through `kvbaton sim` with
 profiles. Reported per cell: TPOT p99 of pd / single (below 1: disaggregation wins) measured and simulated,
 and per share the crossover length (the shortest long prompt at which pd wins), measured vs simulated.
 
-Writes benchmarks/results/pd-crossover-<date>.json, pd-crossover.md and pd-crossover.png.
+Writes benchmarks/results/pd-crossover-<date>.json, pd-crossover-<cpu kind>.md and .png.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from common.machine import cpu_name, kvbaton_commit
+from common.machine import cpu_kind, cpu_name, kvbaton_commit
 from common.prompts import fresh_seed
 from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
 from common.servers import Server, free_port, kvbaton_server
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=30)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR,
-                    help="sim-profile-t{1,2}.json, sim-host-t{1,2}.json (else measured)")
+                    help="this CPU kind's sim-profile-*.json, sim-host-*.json (else measured)")
     args = ap.parse_args()
     from kvbaton.models.registry import pull_default_model
 
@@ -158,7 +158,7 @@ def main() -> None:
              for t in (1, 2)}
     doc: dict = {"started": started.isoformat(timespec="seconds"),
                  "command": command_line("bench_pd_crossover.py", sys.argv[1:]), "commit": kvbaton_commit(),
-                 "cpu": cpu_name(), "seed": seed,
+                 "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": seed,
                  "host": {str(t): h.describe() for t, h in hosts.items()}, "rate": args.rate,
                  "num_prompts": args.num_prompts,
                  "cells": {f"{n}x{s}": {} for n, s in cells}, "crossover": {}}
@@ -178,9 +178,10 @@ def main() -> None:
     score(doc, lengths, shares)
     doc["wall_s"] = time.monotonic() - t0
     write_json(RESULTS_DIR / f"pd-crossover-{run_stamp}.json", doc, indent=1)
-    write_report(doc, lengths, shares, RESULTS_DIR / "pd-crossover.md")
-    plot(doc, lengths, shares, RESULTS_DIR / "pd-crossover.png")
-    print((RESULTS_DIR / "pd-crossover.md").read_text())
+    report = RESULTS_DIR / f"pd-crossover-{cpu_kind()}.md"
+    write_report(doc, lengths, shares, report)
+    plot(doc, lengths, shares, report.with_suffix(".png"))
+    print(report.read_text())
 
 
 if __name__ == "__main__":

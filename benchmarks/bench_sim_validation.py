@@ -13,7 +13,8 @@ send times and lengths) through the simulator, with the frontend's costs and wit
 alone). Targets (Vidur reports < 9%): within 10% at p50 and 15% at p99. The peer here is reality itself:
 every ratio is simulated / measured.
 
-Writes benchmarks/results/sim-validation-<date>.json and benchmarks/results/sim-validation.md.
+Writes benchmarks/results/sim-validation-<date>.json and sim-validation-<cpu kind>.md (profiles and frontend
+costs are kept per CPU kind too: sim-profile-<kind>-t{1,2}.json, sim-host-<kind>-t{1,2}.json).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from common.machine import cpu_name, kvbaton_commit
+from common.machine import cpu_kind, cpu_name, kvbaton_commit
 from common.prompts import fresh_seed
 from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
 from common.sim import KV_GB, RANDOM, Deployment, ensure_host_overhead, ensure_profile, kv_pool, measure, replay
@@ -106,7 +107,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=None,
-                    help="reuse sim-profile-t{1,2}.json and sim-host-t{1,2}.json from here")
+                    help="reuse this CPU kind's sim-profile-*.json and sim-host-*.json from here")
     args = ap.parse_args()
     from kvbaton.models.registry import pull_default_model
 
@@ -123,7 +124,8 @@ def main() -> None:
              for t in threads}
     doc = {"started": started.isoformat(timespec="seconds"),
            "command": command_line("bench_sim_validation.py", sys.argv[1:]),
-           "commit": kvbaton_commit(), "cpu": cpu_name(), "seed": seed, "num_prompts": args.num_prompts,
+           "commit": kvbaton_commit(), "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": seed,
+           "num_prompts": args.num_prompts,
            "profiles": {str(t): str(p) for t, p in profiles.items()},
            "host": {str(t): h.describe() for t, h in hosts.items()}, "loads": {}}
     t0 = time.monotonic()
@@ -145,7 +147,7 @@ def main() -> None:
                                 if isinstance(v, dict)), flush=True)
     doc["wall_s"] = time.monotonic() - t0
     write_json(RESULTS_DIR / f"sim-validation-{run_stamp}.json", doc, indent=1)
-    md = RESULTS_DIR / "sim-validation.md"
+    md = RESULTS_DIR / f"sim-validation-{cpu_kind()}.md"
     write_report(doc, md)
     print(md.read_text())
 

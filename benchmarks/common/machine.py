@@ -25,6 +25,17 @@ def cpu_name() -> str:
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor())
 
 
+def cpu_kind() -> str:
+    """A short tag for the CPU kinds whose figures differ (vendor and widest bf16 path), e.g. "intel-amx",
+    "amd-avx512bf16", "amd-avx2": results measured on one kind are kept beside, not over, another's."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), []))
+    vendor = "intel" if "GenuineIntel" in text else "amd" if "AuthenticAMD" in text else platform.machine()
+    path = next((name for flag, name in (("amx_tile", "amx"), ("avx512_bf16", "avx512bf16"), ("avx2", "avx2"))
+                 if flag in flags), "generic")
+    return f"{vendor}-{path}"
+
+
 def kvbaton_commit() -> str:
     """HEAD's short hash, "+dirty" when kvbaton/ has uncommitted changes (the figures are then
     of code no commit holds)."""

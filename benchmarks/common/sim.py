@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from common.machine import cpu_kind
 from common.servers import Server, free_port, kvbaton_server
 from kvbaton.bench.metrics import SLO, Summary, summarize
 from kvbaton.config import SchedulerConfig
@@ -60,10 +61,11 @@ def kv_pool(model_dir: str, kv_gb: float) -> tuple[int, int]:
 
 
 def ensure_profile(threads: int, out_dir: Path, model_dir: str, reuse: Path | None) -> Path:
-    """`sim-profile-t{threads}.json` from `reuse` if it is there, else measured now into `out_dir`."""
-    if reuse is not None and (reuse / f"sim-profile-t{threads}.json").exists():
-        return reuse / f"sim-profile-t{threads}.json"
-    path = out_dir / f"sim-profile-t{threads}.json"
+    """`sim-profile-<cpu kind>-t{threads}.json` from `reuse` if it is there, else measured now into `out_dir`."""
+    name = f"sim-profile-{cpu_kind()}-t{threads}.json"
+    if reuse is not None and (reuse / name).exists():
+        return reuse / name
+    path = out_dir / name
     print(f"== profiling the engine, {threads} thread(s) -> {path}", flush=True)
     subprocess.run([sys.executable, "-m", "kvbaton.cli", "sim", "profile", "--model", model_dir, "--dtype",
                     "bfloat16", "--threads", str(threads), "--out", str(path)], check=True)
@@ -92,19 +94,20 @@ CALIBRATION = {2: (Deployment(threads=2), [*RANDOM, "--request-rate", "1"]),
 
 def ensure_host_overhead(threads: int, out_dir: Path, model_dir: str, reuse: Path | None, *, profile: Path,
                          seed: int, n: int = 40) -> HostOverhead:
-    """`sim-host-t{threads}.json` from `reuse` if it is there, else fitted now to a measured calibration load."""
-    if reuse is not None and (reuse / f"sim-host-t{threads}.json").exists():
-        return HostOverhead.load(reuse / f"sim-host-t{threads}.json")
+    """`sim-host-<cpu kind>-t{threads}.json` from `reuse` if it is there, else fitted now to a measured
+    calibration load."""
+    name = f"sim-host-{cpu_kind()}-t{threads}"
+    if reuse is not None and (reuse / f"{name}.json").exists():
+        return HostOverhead.load(reuse / f"{name}.json")
     deployment, bench_args = CALIBRATION[threads]
     print(f"== calibrating the frontend's costs, {threads}-thread workers: {' '.join(bench_args)}", flush=True)
-    trace = measure(deployment, bench_args, n=n, seed=seed, out=out_dir / f"sim-host-t{threads}-trace.json",
-                    model_dir=model_dir)
+    trace = measure(deployment, bench_args, n=n, seed=seed, out=out_dir / f"{name}-trace.json", model_dir=model_dir)
     ttft_ms, tpot_ms = trace_medians(trace)
     pool = kv_pool(model_dir, KV_GB)
     fit = calibrate(lambda host: replay(deployment, trace, profile, pool, SLO(), host)[0],
                     measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
                     label=f"{trace.name}: {' '.join(deployment.serve_args())}, {' '.join(bench_args)}")
-    fit.host.save(out_dir / f"sim-host-t{threads}.json")
+    fit.host.save(out_dir / f"{name}.json")
     print(f"   {fit.host.describe()} (TTFT p50 {ttft_ms:.1f} ms, TPOT p50 {tpot_ms:.1f} ms measured; engines alone "
           f"{fit.uncalibrated_ttft_p50_ms:.1f} / {fit.uncalibrated_tpot_p50_ms:.1f})", flush=True)
     return fit.host

@@ -129,7 +129,10 @@ def print_diagnosis(d: Diagnosis, actions: Sequence[Action], harness: Harness, c
                   f"= {m.kv_tokens:,} tokens = {d.max_seqs_kv} sequences of {d.tokens_per_request} tokens")
     for i, finding in enumerate(explain(d), 1):
         console.print(f"{i}. {finding}")
-    console.print(actions_table(d, actions, load.qps))
+    console.print(actions_table(d, actions, load.qps, load.attainment_target))
+    console.print(f"  TPOT, TTFT, goodput and attainment: simulated at the target {load.qps:g} QPS. goodput/GPU: at "
+                  f"the highest rate per unit at which {load.attainment_target:.0%} of requests meet the SLOs, "
+                  "however far below the target that rate is.")
     for rank, a in enumerate(actions, 1):
         for n in a.notes:
             console.print(f"  ({rank}) {n}")
@@ -144,10 +147,10 @@ def print_diagnosis(d: Diagnosis, actions: Sequence[Action], harness: Harness, c
                   f"best action, which {verdict} the {load.qps:g} QPS target.")
 
 
-def actions_table(d: Diagnosis, actions: Sequence[Action], qps: float) -> Table:
+def actions_table(d: Diagnosis, actions: Sequence[Action], qps: float, attainment_target: float) -> Table:
     table = Table(title=f"ranked actions, simulated at {qps:g} QPS on {d.devices} GPUs (before -> after)")
     for col in ("rank", "action", "change", "TPOT p99", "TTFT p99", "goodput req/s", "attainment",
-                "goodput/GPU at SLO"):
+                f"goodput/GPU where {attainment_target:.0%} meet SLO"):
         table.add_column(col, justify="right" if col in ("rank",) else "left")
     b = d.before
     for rank, a in enumerate(actions, 1):
