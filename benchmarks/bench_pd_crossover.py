@@ -87,7 +87,8 @@ def score(doc: dict, lengths: list[int], shares: list[float]) -> None:
 def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None:
     lines = ["# When to disaggregate on this CPU: the crossover, measured and simulated", "",
              f"Command: `{doc['command']}`", "",
-             f"Run {doc['started']} on {doc['cpu']}, commit {doc['commit']}, seed {doc['seed']}, "
+             f"Measured {doc['started']} (simulated {doc.get('simulated', doc['started'])}) on {doc['cpu']}, commit "
+             f"{doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per cell at {doc['rate']} req/s; wall {doc['wall_s']:.0f} s.", "",
              "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads), measured | simulated "
              "(the simulator replays each measured cell's trace, with the frontend's costs calibrated on a separate "
@@ -144,7 +145,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR,
                     help="this CPU kind's sim-profile-*.json, sim-host-*.json (else measured)")
+    ap.add_argument("--replay", type=Path, default=None, metavar="RUN_JSON",
+                    help="simulate a previous run's measured cells (pd-crossover-<date>.json) again, e.g. with a "
+                         "refitted step model; measures nothing")
     args = ap.parse_args()
+    previous = read_json(args.replay) if args.replay else None
+    if previous:  # the grid, rate and seed of the measured run
+        args.lengths, args.shares = (",".join(sorted({k.split("x")[i] for k in previous["cells"]}, key=float))
+                                     for i in (0, 1))
+        args.rate, args.num_prompts, args.seed = previous["rate"], previous["num_prompts"], previous["seed"]
     from kvbaton.models.registry import pull_default_model
 
     model_dir = str(pull_default_model())
@@ -153,10 +162,12 @@ def main() -> None:
     seed = fresh_seed() if args.seed is None else args.seed
     started = datetime.now()
     run_stamp = stamp(started)
+    measured_stamp = args.replay.stem.removeprefix("pd-crossover-") if args.replay else run_stamp
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in (1, 2)}
     hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
              for t in (1, 2)}
-    doc: dict = {"started": started.isoformat(timespec="seconds"),
+    doc: dict = {"started": previous["started"] if previous else started.isoformat(timespec="seconds"),
+                 "simulated": started.isoformat(timespec="seconds"),
                  "command": command_line("bench_pd_crossover.py", sys.argv[1:]), "commit": kvbaton_commit(),
                  "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": seed,
                  "host": {str(t): h.describe() for t, h in hosts.items()}, "rate": args.rate,
@@ -166,7 +177,9 @@ def main() -> None:
     pool, slo = kv_pool(model_dir, KV_GB), SLO(tpot_ms=TPOT_SLO_MS)
     for name, deployment in SETUPS.items():
         print(f"== {name}: kvbaton serve {' '.join(deployment.serve_args())}", flush=True)
-        for key, trace in measure_setup(name, cells, args, seed, run_stamp, model_dir).items():
+        traces = {f"{n}x{s}": RESULTS_DIR / f"pd-crossover-{measured_stamp}-{name}-{n}-{s}.json" for n, s in cells} \
+            if previous else measure_setup(name, cells, args, seed, run_stamp, model_dir)
+        for key, trace in traces.items():
             measured = read_json(trace)["runs"][0]["summary"]
             simulated, _ = replay(deployment, trace, profiles[deployment.threads], pool, slo, hosts[deployment.threads])
             doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],

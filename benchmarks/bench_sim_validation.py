@@ -72,7 +72,8 @@ def compare(measured: dict, sim: Summary, engines_only: Summary, wall_s: float) 
 def write_report(doc: dict, path: Path) -> None:
     lines = ["# Simulator validation: simulated vs measured latency on this machine", "",
              f"Command: `{doc['command']}`", "",
-             f"Run {doc['started']} on {doc['cpu']}, commit {doc['commit']}, seed {doc['seed']}, "
+             f"Measured {doc['started']} (simulated {doc.get('simulated', doc['started'])}) on {doc['cpu']}, commit "
+             f"{doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per load; wall {doc['wall_s']:.0f} s.", "",
              "Each load was measured against a real `kvbaton serve`, then its recorded trace (send times, lengths) "
              "was replayed through `kvbaton sim` with the step-latency model profiled on this machine and the "
@@ -108,11 +109,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=None,
                     help="reuse this CPU kind's sim-profile-*.json and sim-host-*.json from here")
+    ap.add_argument("--replay", type=Path, default=None, metavar="RUN_JSON",
+                    help="simulate a previous run's measured traces (sim-validation-<date>.json) again, e.g. with a "
+                         "refitted step model; measures nothing")
     args = ap.parse_args()
+    previous = read_json(args.replay) if args.replay else None
     from kvbaton.models.registry import pull_default_model
 
     model_dir = str(pull_default_model())
-    seed = fresh_seed() if args.seed is None else args.seed
+    seed = previous["seed"] if previous else fresh_seed() if args.seed is None else args.seed
     started = datetime.now()
     run_stamp = stamp(started)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -122,19 +127,23 @@ def main() -> None:
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in threads}
     hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
              for t in threads}
-    doc = {"started": started.isoformat(timespec="seconds"),
+    doc = {"started": previous["started"] if previous else started.isoformat(timespec="seconds"),
+           "simulated": started.isoformat(timespec="seconds"),
            "command": command_line("bench_sim_validation.py", sys.argv[1:]),
            "commit": kvbaton_commit(), "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": seed,
-           "num_prompts": args.num_prompts,
+           "num_prompts": previous["num_prompts"] if previous else args.num_prompts,
            "profiles": {str(t): str(p) for t, p in profiles.items()},
            "host": {str(t): h.describe() for t, h in hosts.items()}, "loads": {}}
     t0 = time.monotonic()
     for i, load in enumerate(chosen):
         print(f"== {load.name}: kvbaton serve {' '.join(load.deployment.serve_args())}", flush=True)
         try:
-            trace = measure(load.deployment, load.bench_args, n=args.num_prompts, seed=seed + i,
-                            out=RESULTS_DIR / f"sim-validation-{run_stamp}-{load.name}.json", model_dir=model_dir)
-        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            if previous:  # the measured run of before
+                trace = args.replay.parent / previous["loads"][load.name]["trace"]
+            else:
+                trace = measure(load.deployment, load.bench_args, n=args.num_prompts, seed=seed + i,
+                                out=RESULTS_DIR / f"sim-validation-{run_stamp}-{load.name}.json", model_dir=model_dir)
+        except (RuntimeError, subprocess.CalledProcessError, KeyError) as exc:
             doc["loads"][load.name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         measured = read_json(trace)["runs"][0]["summary"]

@@ -24,6 +24,7 @@ from kvbaton.sim.workload import trace_medians, trace_requests
 MAX_MODEL_LEN = 4096
 KV_GB = 2.0
 COMMON_SERVE_ARGS = ["--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb", str(KV_GB)]
+HOST_CORES = len(os.sched_getaffinity(0))  # what the workers and the frontend share
 RANDOM = ["--dataset", "random", "--input-len", "256", "--output-len", "64", "--range-ratio", "0.5"]
 
 
@@ -94,18 +95,23 @@ CALIBRATION = {2: (Deployment(threads=2), [*RANDOM, "--request-rate", "1"]),
 
 def ensure_host_overhead(threads: int, out_dir: Path, model_dir: str, reuse: Path | None, *, profile: Path,
                          seed: int, n: int = 40) -> HostOverhead:
-    """`sim-host-<cpu kind>-t{threads}.json` from `reuse` if it is there, else fitted now to a measured
-    calibration load."""
+    """`sim-host-<cpu kind>-t{threads}.json` from `reuse` if it is there, else fitted now to the calibration
+    load: its trace from `reuse` if that is there, else measured now."""
     name = f"sim-host-{cpu_kind()}-t{threads}"
     if reuse is not None and (reuse / f"{name}.json").exists():
         return HostOverhead.load(reuse / f"{name}.json")
     deployment, bench_args = CALIBRATION[threads]
-    print(f"== calibrating the frontend's costs, {threads}-thread workers: {' '.join(bench_args)}", flush=True)
-    trace = measure(deployment, bench_args, n=n, seed=seed, out=out_dir / f"{name}-trace.json", model_dir=model_dir)
+    trace = out_dir / f"{name}-trace.json"
+    if reuse is not None and (reuse / trace.name).exists():  # measured before: fitted again (a new step model)
+        trace = reuse / trace.name
+        print(f"== calibrating the frontend's costs, {threads}-thread workers, on {trace}", flush=True)
+    else:
+        print(f"== calibrating the frontend's costs, {threads}-thread workers: {' '.join(bench_args)}", flush=True)
+        measure(deployment, bench_args, n=n, seed=seed, out=trace, model_dir=model_dir)
     ttft_ms, tpot_ms = trace_medians(trace)
     pool = kv_pool(model_dir, KV_GB)
     fit = calibrate(lambda host: replay(deployment, trace, profile, pool, SLO(), host)[0],
-                    measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+                    measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms, host_cores=HOST_CORES,
                     label=f"{trace.name}: {' '.join(deployment.serve_args())}, {' '.join(bench_args)}")
     fit.host.save(out_dir / f"{name}.json")
     print(f"   {fit.host.describe()} (TTFT p50 {ttft_ms:.1f} ms, TPOT p50 {tpot_ms:.1f} ms measured; engines alone "
@@ -118,7 +124,7 @@ def replay(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, 
     """The measured run `trace` (send times, lengths) through the simulated `deployment` (and frontend)."""
     num_blocks, kv_bytes = pool
     instance = InstanceSpec(latency=ProfiledLatency.load(profile), num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
-                            kv_bytes_per_token=kv_bytes,
+                            kv_bytes_per_token=kv_bytes, cpu_threads=deployment.threads,
                             scheduler=SchedulerConfig(max_num_batched_tokens=deployment.max_num_batched_tokens))
     cluster = ClusterSpec(decode=instance, num_decode=deployment.num_decode, num_prefill=deployment.num_prefill,
                           link=link_preset(deployment.link), local_prefill_threshold=deployment.local_prefill_threshold)

@@ -34,8 +34,9 @@ class Calibration:
 
 
 def calibrate(simulate_with: Callable[[HostOverhead], Summary], *, measured_ttft_p50_ms: float,
-              measured_tpot_p50_ms: float, label: str = "") -> Calibration:
-    """The host overhead under which `simulate_with` (the measured run's replay) matches its medians."""
+              measured_tpot_p50_ms: float, label: str = "", host_cores: int = 0) -> Calibration:
+    """The host overhead under which `simulate_with` (the measured run's replay) matches its medians;
+    `host_cores` as `HostOverhead.host_cores` (the price is fitted to the steps that pay it)."""
     if not (measured_ttft_p50_ms > 0 and measured_tpot_p50_ms > 0):
         raise ValueError("calibration needs a measured run with a positive TTFT and TPOT median")
 
@@ -47,15 +48,15 @@ def calibrate(simulate_with: Callable[[HostOverhead], Summary], *, measured_ttft
         return ttft, tpot
 
     def tpot_at(dispatch_s: float, per_token_s: float) -> float:
-        return medians(HostOverhead(dispatch_s=dispatch_s, per_token_s=per_token_s))[1]
+        return medians(HostOverhead(dispatch_s=dispatch_s, per_token_s=per_token_s, host_cores=host_cores))[1]
 
     base = medians(HostOverhead())
     dispatch_s = per_token_s = 0.0
     for _ in range(2):
         per_token_s = _bisect_per_token(partial(tpot_at, dispatch_s), measured_tpot_p50_ms)
-        ttft = medians(HostOverhead(per_token_s=per_token_s))[0]
+        ttft = medians(HostOverhead(per_token_s=per_token_s, host_cores=host_cores))[0]
         dispatch_s = max(0.0, (measured_ttft_p50_ms - ttft) / 1e3)
-    host = HostOverhead(dispatch_s=dispatch_s, per_token_s=per_token_s, calibrated_on=label)
+    host = HostOverhead(dispatch_s=dispatch_s, per_token_s=per_token_s, host_cores=host_cores, calibrated_on=label)
     fitted = medians(host)
     return Calibration(host=host, measured_ttft_p50_ms=measured_ttft_p50_ms,
                        measured_tpot_p50_ms=measured_tpot_p50_ms, simulated_ttft_p50_ms=fitted[0],

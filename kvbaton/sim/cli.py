@@ -38,6 +38,12 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     _add_instance_args(calibrate.add_argument_group("each instance (worker)"))
     calibrate.add_argument("--trace", required=True, metavar="RESULT_JSON", help="the measured run")
     calibrate.add_argument("--out", required=True, metavar="PATH", help="where the host-overhead JSON goes")
+    calibrate.add_argument("--host-cores", type=int, default=0,
+                           help="the cores the workers share with the frontend: the per-token price is paid only "
+                                "while busy workers' --cpu-threads fill them (default 0: always)")
+    refit = sub.add_parser("refit", help="fit a profile's measured steps again (today's model forms), no measuring")
+    refit.add_argument("profile", metavar="PROFILE_JSON", help="a `kvbaton sim profile` file")
+    refit.add_argument("--out", default=None, metavar="PATH", help="write here instead of over PROFILE_JSON")
     _add_profile_args(sub.add_parser("profile", help="measure this machine's engine steps and fit a step-latency "
                                                      "model"))
     return sim
@@ -93,6 +99,8 @@ def _add_instance_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--cpu-threads", type=int, default=0,
+                   help="threads each worker computes with on cores shared with the frontend (--host-overhead)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -102,7 +110,19 @@ def main(args: argparse.Namespace) -> int:
     from kvbaton.sim.run import run_calibration, run_simulation
 
     try:
+        if args.sim_command == "refit":
+            return _refit(args)
         return run_calibration(args) if args.sim_command == "calibrate" else run_simulation(args)
     except (BenchError, ConfigError, ValueError, OSError) as exc:
         print(f"kvbaton sim: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _refit(args: argparse.Namespace) -> int:
+    from kvbaton.sim.profiled import refit_profile
+
+    model = refit_profile(args.profile, args.out)
+    error = model.fit_error
+    held_out = f", held-out error median {error.median_ape:.1%}, p90 {error.p90_ape:.1%}" if error else ""
+    print(f"{model.form}{held_out} -> {args.out or args.profile}")
+    return 0

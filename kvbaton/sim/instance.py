@@ -114,15 +114,17 @@ class SimInstance:
 
     # ---- the step --------------------------------------------------------------------------------
 
-    def start_step(self) -> StepStarted | None:
-        """Schedule the next batch; None (and idle) when nothing can run now."""
+    def start_step(self, other_busy_threads: int = 0) -> StepStarted | None:
+        """Schedule the next batch; None (and idle) when nothing can run now. `other_busy_threads`: the threads
+        of the other instances computing now, on cores shared with the frontend (kvbaton.sim.host)."""
         assert self.step is None, f"{self.name}: a step is already running"
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
         shape = StepShape.of(sched.scheduled)
         num_sampled = sum(1 for item in sched.scheduled if item.sample)
-        seconds = self.spec.latency.step_seconds(shape) + self.host.step_extra_s(num_sampled)
+        busy_threads = other_busy_threads + self.spec.cpu_threads
+        seconds = self.spec.latency.step_seconds(shape) + self.host.step_extra_s(num_sampled, busy_threads)
         self.step = StepStarted(sched, shape, seconds)
         return self.step
 

@@ -1,15 +1,18 @@
 """A step-latency model fitted to this machine's measured engine steps (`kvbaton sim profile`).
 
-    seconds = c0 + c_tok·N + Σ_k c_k·max(0, N − k) + c_pseq·prefill_seqs + c_att·prefill_attended
-              + c_dseq·decode_seqs + c_ctx·decode_context,        N = prefill_tokens + decode_seqs
+    seconds = c0 + c_tok·N + Σ_k c_k·max(0, N − k) + Σ_j d_j·[N > j] + c_pseq·prefill_seqs
+              + c_att·prefill_attended + c_dseq·decode_seqs + c_ctx·decode_context,
+    N = prefill_tokens + decode_seqs
 
 Why this form, on a CPU engine: every step reads all the weights once, so a small batch costs about
 the same as one sequence (c0); past a knee `k` the linears are compute-bound and each token costs more
-(the hinge terms, convex like max(memory, compute)); attention costs what it reads (decode_context)
-or computes (prefill_attended). Every coefficient is fitted non-negative, which makes the model
+(the hinge terms, convex like max(memory, compute)); where the linears switch kernels (a few-rows dot
+kernel up to `j` rows, then oneDNN) the cost jumps (the step terms: on an AVX512-BF16 EPYC a decode
+step of 8 sequences took twice one of 4); attention costs what it reads (decode_context) or computes
+(prefill_attended). Every coefficient is fitted non-negative, which makes the model
 non-decreasing in every field of the shape, as `StepLatencyModel` asks.
 
-The knots are chosen by held-out error (k-fold over the profile's grid points); the fit minimizes
+The knots and the jump are chosen by held-out error (k-fold over the profile's grid points); the fit minimizes
 *relative* error, since steps span tens of milliseconds to seconds and the error that matters to a
 simulation is a percentage.
 """
@@ -34,6 +37,9 @@ from kvbaton.sim.latency import StepShape
 # Where the hinge may go: the knees a CPU engine shows are where its linears change kernels or leave
 # the memory-bound regime (kvbaton.platform.compute: 1 row, 8 rows, 512 rows on the amx path).
 KNOT_CANDIDATES = (8, 32, 64, 128, 256, 512, 1024)
+# Where a jump may go: the few-rows kernels' row limits (kvbaton.platform.compute: 1 on amx, 4 with
+# AVX512-BF16 alone, 8 on avx2); one jump at most, a cost step N > j.
+JUMP_CANDIDATES = (1, 4, 8)
 MAX_FOLDS = 5
 IRLS_ROUNDS = 8
 IRLS_FLOOR = 0.01  # relative errors below 1% weigh as 1%: an exact fit keeps finite weights
@@ -74,6 +80,8 @@ class ProfiledLatency:
     per_token: float
     knots: tuple[int, ...] = ()
     per_token_past_knot: tuple[float, ...] = ()  # slope added past each knot
+    jumps: tuple[int, ...] = ()
+    per_step_past_jump: tuple[float, ...] = ()  # seconds added once N exceeds each jump
     per_prefill_seq: float = 0.0
     per_prefill_attended: float = 0.0
     per_decode_seq: float = 0.0
@@ -83,7 +91,8 @@ class ProfiledLatency:
     forms_tried: tuple[FitError, ...] = ()
 
     def __post_init__(self) -> None:
-        values = (self.intercept, self.per_token, *self.per_token_past_knot, self.per_prefill_seq,
+        values = (self.intercept, self.per_token, *self.per_token_past_knot, *self.per_step_past_jump,
+                  self.per_prefill_seq,
                   self.per_prefill_attended, self.per_decode_seq, self.per_decode_context)
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ProfileError("step-latency coefficients must be finite and non-negative")
@@ -91,6 +100,8 @@ class ProfiledLatency:
             raise ProfileError("step-latency model gives a one-token step no cost")
         if len(self.knots) != len(self.per_token_past_knot) or any(k < 1 for k in self.knots):
             raise ProfileError("step-latency knots must be positive, one slope each")
+        if len(self.jumps) != len(self.per_step_past_jump) or any(j < 1 for j in self.jumps):
+            raise ProfileError("step-latency jumps must be positive, one step each")
 
     @property
     def name(self) -> str:
@@ -98,7 +109,7 @@ class ProfiledLatency:
 
     @property
     def form(self) -> str:
-        return _form_name(self.knots)
+        return _form_name(Form(self.knots, self.jumps))
 
     def step_seconds(self, shape: StepShape) -> float:
         if shape.is_empty:
@@ -107,6 +118,7 @@ class ProfiledLatency:
         # NOTE: plain floats, not numpy: the simulator calls this once per simulated step.
         return (self.intercept + self.per_token * n
                 + sum(c * max(0, n - k) for k, c in zip(self.knots, self.per_token_past_knot))
+                + sum(c for j, c in zip(self.jumps, self.per_step_past_jump) if n > j)
                 + self.per_prefill_seq * shape.prefill_seqs + self.per_prefill_attended * shape.prefill_attended
                 + self.per_decode_seq * shape.decode_seqs + self.per_decode_context * shape.decode_context)
 
@@ -114,36 +126,40 @@ class ProfiledLatency:
 
     @classmethod
     def fit(cls, samples: Sequence[ProfileSample], label: str = "") -> ProfiledLatency:
-        """The form (knots) with the least held-out error, refitted on every sample."""
+        """The form (knots, jump) with the least held-out error, refitted on every sample."""
         samples = _checked(samples)
-        candidates = _candidate_knots(samples)
-        tried = [_held_out_error(samples, knots) for knots in candidates]
+        candidates = _candidate_forms(samples)
+        tried = [_held_out_error(samples, form) for form in candidates]
         best = _simplest_best(candidates, tried)
         return cls._of(_solve(samples, candidates[best]), candidates[best], label, tried[best], tuple(tried))
 
     @classmethod
-    def fit_form(cls, samples: Sequence[ProfileSample], knots: tuple[int, ...] = (),
+    def fit_form(cls, samples: Sequence[ProfileSample], knots: tuple[int, ...] = (), jumps: tuple[int, ...] = (),
                  label: str = "") -> ProfiledLatency:
-        """The model of the given knots, fitted on every sample."""
+        """The model of the given knots and jumps, fitted on every sample."""
         samples = _checked(samples)
-        return cls._of(_solve(samples, knots), knots, label, _held_out_error(samples, knots))
+        form = Form(knots, jumps)
+        return cls._of(_solve(samples, form), form, label, _held_out_error(samples, form))
 
     @classmethod
-    def _of(cls, c: np.ndarray, knots: tuple[int, ...], label: str, error: FitError | None,
+    def _of(cls, c: np.ndarray, form: Form, label: str, error: FitError | None,
             tried: tuple[FitError, ...] = ()) -> ProfiledLatency:
-        k = len(knots)
-        return cls(intercept=float(c[0]), per_token=float(c[1]), knots=knots,
-                   per_token_past_knot=tuple(float(v) for v in c[2:2 + k]), per_prefill_seq=float(c[2 + k]),
-                   per_prefill_attended=float(c[3 + k]), per_decode_seq=float(c[4 + k]),
-                   per_decode_context=float(c[5 + k]), label=label, fit_error=error, forms_tried=tried)
+        k, j = len(form.knots), len(form.jumps)
+        rest = c[2 + k + j:]
+        return cls(intercept=float(c[0]), per_token=float(c[1]), knots=form.knots,
+                   per_token_past_knot=tuple(float(v) for v in c[2:2 + k]), jumps=form.jumps,
+                   per_step_past_jump=tuple(float(v) for v in c[2 + k:2 + k + j]), per_prefill_seq=float(rest[0]),
+                   per_prefill_attended=float(rest[1]), per_decode_seq=float(rest[2]),
+                   per_decode_context=float(rest[3]), label=label, fit_error=error, forms_tried=tried)
 
     # ---- the JSON profile ------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "form": self.form, "knots": list(self.knots),
+            "form": self.form, "knots": list(self.knots), "jumps": list(self.jumps),
             "coefficients": {"intercept_s": self.intercept, "per_token_s": self.per_token,
                              "per_token_past_knot_s": list(self.per_token_past_knot),
+                             "per_step_past_jump_s": list(self.per_step_past_jump),
                              "per_prefill_seq_s": self.per_prefill_seq,
                              "per_prefill_attended_s": self.per_prefill_attended,
                              "per_decode_seq_s": self.per_decode_seq,
@@ -159,6 +175,8 @@ class ProfiledLatency:
         return cls(intercept=float(c["intercept_s"]), per_token=float(c["per_token_s"]),
                    knots=tuple(int(k) for k in d["knots"]),
                    per_token_past_knot=tuple(float(v) for v in c["per_token_past_knot_s"]),
+                   jumps=tuple(int(j) for j in d.get("jumps", ())),  # profiles before jumps have none
+                   per_step_past_jump=tuple(float(v) for v in c.get("per_step_past_jump_s", ())),
                    per_prefill_seq=float(c["per_prefill_seq_s"]),
                    per_prefill_attended=float(c["per_prefill_attended_s"]),
                    per_decode_seq=float(c["per_decode_seq_s"]), per_decode_context=float(c["per_decode_context_s"]),
@@ -183,6 +201,23 @@ class ProfiledLatency:
             raise ProfileError(f"{path} is not a step profile (bad or missing {exc})") from exc
 
 
+def refit_profile(path: str | Path, out: str | Path | None = None) -> ProfiledLatency:
+    """Fit a `kvbaton sim profile` file's measured samples again with today's model forms, without measuring
+    again; the file (or `out`) keeps everything else it says. ProfileError if it holds no samples."""
+    try:
+        profile = json.loads(Path(path).read_text())
+        samples = [ProfileSample(StepShape(**s["shape"]), float(s["seconds"])) for s in profile["samples"]]
+        label = f"{profile['model']}, {profile['dtype']}, {profile['threads']} threads"
+    except OSError as exc:
+        raise ProfileError(f"cannot read step profile {path}: {exc.strerror or exc}") from exc
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ProfileError(f"{path} is not a step profile with samples (bad or missing {exc})") from exc
+    model = ProfiledLatency.fit(samples, label)
+    profile["latency_model"] = model.to_dict()
+    Path(out or path).write_text(json.dumps(profile, indent=1) + "\n")
+    return model
+
+
 class ProfileFit:
     """The simulator's side of `kvbaton sim profile`, handed to the engine's profiler (which may not import
     the simulator): what a cost model sees of a step, and the fit of the measured steps."""
@@ -199,8 +234,17 @@ class ProfileFit:
 # ---- least squares --------------------------------------------------------------------------------
 
 
-def _form_name(knots: tuple[int, ...]) -> str:
-    return "linear" if not knots else "hinge@" + ",".join(map(str, knots))
+@dataclass(frozen=True)
+class Form:
+    """Which hinge and jump terms a fit has."""
+
+    knots: tuple[int, ...] = ()
+    jumps: tuple[int, ...] = ()
+
+
+def _form_name(form: Form) -> str:
+    name = "linear" if not form.knots else "hinge@" + ",".join(map(str, form.knots))
+    return name + "".join(f"+jump@{j}" for j in form.jumps)
 
 
 def _checked(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
@@ -210,38 +254,41 @@ def _checked(samples: Sequence[ProfileSample]) -> list[ProfileSample]:
     return kept
 
 
-def _candidate_knots(samples: Sequence[ProfileSample]) -> list[tuple[int, ...]]:
-    """No knot, one or two knots inside the sampled token range, or every such knot at once."""
+def _candidate_forms(samples: Sequence[ProfileSample]) -> list[Form]:
+    """No knot, one or two knots inside the sampled token range, or every such knot at once; each with no jump
+    or one jump that samples lie on both sides of."""
     tokens = [s.shape.num_tokens for s in samples]
     inside = tuple(k for k in KNOT_CANDIDATES if min(tokens) <= k < max(tokens))
     pairs = list(itertools.combinations(inside, 2)) if len(inside) > 2 else []
-    return [(), *((k,) for k in inside), *pairs, *([inside] if len(inside) > 1 else [])]
+    knot_sets = [(), *((k,) for k in inside), *pairs, *([inside] if len(inside) > 1 else [])]
+    jumps = [(), *((j,) for j in JUMP_CANDIDATES if min(tokens) <= j < max(tokens))]
+    return [Form(knots, jump) for jump in jumps for knots in knot_sets]
 
 
-def _simplest_best(candidates: list[tuple[int, ...]], tried: list[FitError]) -> int:
+def _simplest_best(candidates: list[Form], tried: list[FitError]) -> int:
     """The candidate of least held-out mean error, or one of fewer knots within TIE_APE of it (no
     held-out error, with too few samples: the linear form)."""
     if any(math.isnan(e.mean_ape) for e in tried):
         return 0
     least = min(e.mean_ape for e in tried)
     return min((i for i, e in enumerate(tried) if e.mean_ape <= least + TIE_APE),
-               key=lambda i: (len(candidates[i]), tried[i].mean_ape))
+               key=lambda i: (len(candidates[i].knots) + len(candidates[i].jumps), tried[i].mean_ape))
 
 
-def _features(shape: StepShape, knots: tuple[int, ...]) -> list[float]:
+def _features(shape: StepShape, form: Form) -> list[float]:
     n = shape.num_tokens
-    return [1.0, n, *(max(0, n - k) for k in knots), shape.prefill_seqs, shape.prefill_attended,
-            shape.decode_seqs, shape.decode_context]
+    return [1.0, n, *(max(0, n - k) for k in form.knots), *(float(n > j) for j in form.jumps), shape.prefill_seqs,
+            shape.prefill_attended, shape.decode_seqs, shape.decode_context]
 
 
-def _solve(samples: Sequence[ProfileSample], knots: tuple[int, ...]) -> np.ndarray:
+def _solve(samples: Sequence[ProfileSample], form: Form) -> np.ndarray:
     """Non-negative coefficients minimizing the sum of absolute relative errors over `samples`.
 
     NOTE: absolute, not squared (least squares reweighted by 1/sqrt|error|, IRLS): a burst of load from
     elsewhere on the machine makes a few samples far too slow, and squares would let them pull the
     fit off every other shape."""
     seconds = np.array([s.seconds for s in samples])
-    a = np.array([_features(s.shape, knots) for s in samples]) / seconds[:, None]  # rows: relative error
+    a = np.array([_features(s.shape, form) for s in samples]) / seconds[:, None]  # rows: relative error
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0  # a feature no sample has: its coefficient stays 0
     a /= scale
@@ -252,19 +299,19 @@ def _solve(samples: Sequence[ProfileSample], knots: tuple[int, ...]) -> np.ndarr
     return c / scale
 
 
-def _held_out_error(samples: Sequence[ProfileSample], knots: tuple[int, ...]) -> FitError:
+def _held_out_error(samples: Sequence[ProfileSample], form: Form) -> FitError:
     """k-fold: fold i is every k-th sample from i (the grid's order, so each fold spans the grid)."""
     folds = min(MAX_FOLDS, len(samples))
     errors: list[float] = []
     for i in range(folds if folds > 1 else 0):
         train = [s for j, s in enumerate(samples) if j % folds != i]
-        c = _solve(train, knots)
-        errors += [abs(float(np.dot(c, _features(s.shape, knots))) / s.seconds - 1.0)
+        c = _solve(train, form)
+        errors += [abs(float(np.dot(c, _features(s.shape, form))) / s.seconds - 1.0)
                    for j, s in enumerate(samples) if j % folds == i]
     if not errors:
-        return FitError(form=_form_name(knots), median_ape=math.nan, p90_ape=math.nan, mean_ape=math.nan,
+        return FitError(form=_form_name(form), median_ape=math.nan, p90_ape=math.nan, mean_ape=math.nan,
                         num_samples=len(samples), num_folds=0)
-    return FitError(form=_form_name(knots), median_ape=float(np.median(errors)),
+    return FitError(form=_form_name(form), median_ape=float(np.median(errors)),
                     p90_ape=float(np.quantile(errors, 0.9)), mean_ape=float(np.mean(errors)),
                     num_samples=len(samples), num_folds=folds)
 

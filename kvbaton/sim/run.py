@@ -79,7 +79,7 @@ def run_calibration(args: argparse.Namespace) -> int:
         return summarize(simulate(replace(cluster, host=host), requests, request_rate=rate).result, SLO())
 
     fit = calibrate(simulate_with, measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
-                    label=f"{Path(args.trace).name} ({cluster.label})")
+                    label=f"{Path(args.trace).name} ({cluster.label})", host_cores=args.host_cores)
     fit.host.save(Path(args.out))
     print(f"kvbaton sim calibrate: {cluster.label}, {len(requests)} requests of {args.trace}")
     print(f"  measured     TTFT p50 {ttft_ms:8.1f} ms   TPOT p50 {tpot_ms:7.1f} ms")
@@ -112,7 +112,8 @@ def instance_from_args(args: argparse.Namespace) -> InstanceSpec:
                                 long_prefill_token_threshold=args.long_prefill_token_threshold)
     return InstanceSpec(latency=latency, num_blocks=int(num_blocks), block_size=args.block_size, scheduler=scheduler,
                         max_model_len=args.max_model_len or int(defaults.get("max_model_len", 8192)),
-                        enable_prefix_caching=not args.no_prefix_caching, kv_bytes_per_token=int(kv_bytes or 0))
+                        enable_prefix_caching=not args.no_prefix_caching, kv_bytes_per_token=int(kv_bytes or 0),
+                        cpu_threads=args.cpu_threads)
 
 
 def _latency(args: argparse.Namespace) -> tuple[StepLatencyModel, dict]:

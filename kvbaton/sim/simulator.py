@@ -230,7 +230,7 @@ class _Simulation:
         """Start `inst`'s next step if it is idle and has something to run."""
         if inst.busy:
             return
-        step = inst.start_step()
+        step = inst.start_step(sum(i.spec.cpu_threads for i in self.instances if i.busy))
         if step is not None:
             self.at(self.now + step.seconds, lambda: self.step_ended(inst))
 

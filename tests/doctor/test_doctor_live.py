@@ -7,16 +7,10 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
-from helpers import child_pids, pid_alive
+from server_harness import kvbaton_server
 
 from kvbaton.cli import main as cli_main
 
@@ -26,60 +20,12 @@ ADMIN_KEY = "doctor-test-admin-key"
 STARTUP_S = 300.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def deployment(default_model_dir, tmp_path_factory):
+def deployment(default_model_dir):
     """`kvbaton serve --prefill 1 --decode 1` on a free loopback port, with an admin key; stopped by PID."""
-    port = _free_port()
-    log = tmp_path_factory.mktemp("doctor") / "serve.log"
-    cmd = [sys.executable, "-m", "kvbaton.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--prefill", "1",
-           "--decode", "1", "--threads", "1", "--kv-cache-memory-gb", "0.25", "--max-model-len", "1024",
-           "--admin-api-key", ADMIN_KEY]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, base, log)
+    with kvbaton_server("--prefill", "1", "--decode", "1", "--threads", "1", "--kv-cache-memory-gb", "0.25",
+                        "--max-model-len", "1024", "--admin-api-key", ADMIN_KEY, startup_s=STARTUP_S) as (base, _):
         yield base
-    finally:
-        _stop(proc)
-
-
-def _wait_healthy(proc: subprocess.Popen, base: str, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"server not healthy after {STARTUP_S} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    children = child_pids(proc.pid)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    for pid in children:  # the workers go with their frontend
-        deadline = time.monotonic() + 15
-        while pid_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if pid_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-            raise AssertionError(f"worker {pid} outlived its frontend")
 
 
 def _admin() -> dict[str, str]:

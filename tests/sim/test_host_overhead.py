@@ -40,6 +40,20 @@ def test_one_request_alone_pays_the_dispatch_once_and_the_price_per_token_on_eve
     assert served.itl_s == pytest.approx([gap + 0.002 for gap in bare.itl_s])  # one sequence: one token a step
 
 
+def test_a_step_pays_the_price_only_while_busy_workers_fill_the_cores() -> None:
+    worker = InstanceSpec(latency=PRICES, num_blocks=2000, kv_bytes_per_token=1000, cpu_threads=1)
+    pd = ClusterSpec(decode=worker, num_prefill=1)  # two 1-thread workers
+    req = [SimRequest(0, 0.0, tuple(range(100, 400)), 8)]
+
+    def gaps(host: HostOverhead) -> tuple[float, ...]:
+        return simulate(replace(pd, host=host), req).result.records[0].itl_s
+
+    bare = gaps(HostOverhead())
+    assert gaps(HostOverhead(per_token_s=0.002, host_cores=2)) == pytest.approx(bare)  # prefill idle: a free core
+    assert gaps(HostOverhead(per_token_s=0.002, host_cores=1)) == pytest.approx([g + 0.002 for g in bare])
+    assert gaps(HostOverhead(per_token_s=0.002)) == pytest.approx([g + 0.002 for g in bare])  # 0: always paid
+
+
 def test_the_price_scales_with_the_batch_so_tpot_grows_with_load() -> None:
     host = HostOverhead(per_token_s=0.002)
     light, heavy = load(rate=0.5), load(rate=6.0)
@@ -79,8 +93,8 @@ def test_an_engine_slower_than_the_measured_run_needs_no_host_cost() -> None:
     assert fit.host.is_zero
 
 
-@pytest.mark.parametrize("figures", [{"dispatch_s": -1.0, "per_token_s": 0.0}, {"dispatch_s": 0.0, "per_token_s": 2.0},
-                                     {"dispatch_s": float("nan"), "per_token_s": 0.0}])
+@pytest.mark.parametrize("figures", [{"dispatch_s": -1.0}, {"per_token_s": 2.0}, {"dispatch_s": float("nan")},
+                                     {"host_cores": -1}])
 def test_impossible_figures_are_refused(figures: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match="host overhead"):
         HostOverhead(**figures)  # type: ignore[arg-type]

@@ -143,3 +143,41 @@ def test_negative_coefficient_in_a_file_names_the_file(tmp_path: Path) -> None:
     path.write_text(json.dumps({"model": "m", "dtype": "bfloat16", "threads": 2, "latency_model": section}))
     with pytest.raises(ProfileError, match=f"{path}: .*non-negative"):
         ProfiledLatency.load(path)
+
+
+# An AVX512-BF16 EPYC: the few-rows dot kernel serves up to 4 rows, then oneDNN; a step of 5+ tokens costs more.
+KERNEL_SWITCH = dataclasses.replace(TRUE, jumps=(4,), per_step_past_jump=(0.015,))
+
+
+def test_a_kernel_switch_is_fitted_as_a_jump() -> None:
+    fitted = ProfiledLatency.fit(samples_of(KERNEL_SWITCH))
+    assert fitted.form == "hinge@512+jump@4"
+    assert fitted.per_step_past_jump == pytest.approx((0.015,), rel=1e-6)
+    assert fitted.step_seconds(shape(decodes=5, context=100)) - fitted.step_seconds(shape(decodes=4, context=100)) \
+        == pytest.approx(0.015 + 1e-4 + 3e-4 + 4e-5, rel=1e-6)
+    assert ProfiledLatency.fit(samples_of(TRUE)).jumps == ()  # no switch, no jump
+
+
+def test_refit_fits_a_files_samples_again_and_keeps_the_rest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) \
+        -> None:
+    from kvbaton.cli import main
+
+    samples = samples_of(KERNEL_SWITCH)
+    old = ProfiledLatency.fit_form(samples)  # the linear form, as a profile from before jumps holds
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"model": "m", "dtype": "bfloat16", "threads": 2, "num_blocks": 77,
+                                "samples": [{"shape": dataclasses.asdict(s.shape), "seconds": s.seconds}
+                                            for s in samples], "latency_model": old.to_dict()}))
+    assert main(["sim", "refit", str(path)]) == 0
+    assert "jump@4" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["num_blocks"] == 77 and ProfiledLatency.load(path).jumps == (4,)
+    path.write_text(json.dumps({"model": "m"}))
+    assert main(["sim", "refit", str(path)]) == 2
+    assert "not a step profile with samples" in capsys.readouterr().err
+
+
+def test_a_profile_from_before_jumps_still_loads(tmp_path: Path) -> None:
+    section = TRUE.to_dict()
+    del section["jumps"], section["coefficients"]["per_step_past_jump_s"]
+    assert ProfiledLatency.from_dict(section) == dataclasses.replace(TRUE, fit_error=None)
