@@ -11,8 +11,9 @@ Two set-ups of `kvbaton serve` (default model, bf16), each given this machine's 
 Each cell of the grid is one `kvbaton bench serve --dataset mixed` run (short prompts 64 tokens, 64 output
 tokens, --ignore-eos, the cell's share of long prompts at the cell's length, at --rate req/s), the same seed
 for both set-ups. Its recorded trace is then replayed through `kvbaton sim` with this machine's step
-profiles. Reported per cell: TPOT p99 of pd / single (below 1: disaggregation wins) measured and simulated,
-and per share the crossover length (the shortest long prompt at which pd wins), measured vs simulated.
+profiles, once with the engines alone (the simulator's default) and once with the frontend's costs calibrated
+on a load of its own. Reported per cell: TPOT p99 of pd / single (below 1: disaggregation wins), measured and
+simulated, and per share the crossover length (the shortest long prompt from which pd wins).
 
 Writes benchmarks/results/pd-crossover-<date>.json, pd-crossover-<cpu kind>.md and .png.
 """
@@ -74,14 +75,21 @@ def crossover(ratios: dict[int, float | None]) -> int | None:
     return None
 
 
+# Where each ratio comes from: the measurement, the simulator as `kvbaton sim run` is by default (the engines
+# alone, step profiles only), and the simulator with the frontend's costs of `kvbaton sim calibrate`.
+SOURCES = {"measured": "", "simulated": "sim_", "calibrated": "simhost_"}
+TITLES = {"measured": "measured", "simulated": "simulated (engines)", "calibrated": "simulated + frontend"}
+
+
 def score(doc: dict, lengths: list[int], shares: list[float]) -> None:
+    steps = [*lengths, None]
     for share in shares:
-        for source in ("measured", "simulated"):
+        cross = doc["crossover"].setdefault(str(share), {})
+        for source in SOURCES:
             row = {length: doc["cells"][f"{length}x{share}"].get(f"{source}_ratio") for length in lengths}
-            doc["crossover"].setdefault(str(share), {})[source] = crossover(row)
-        m, s = (doc["crossover"][str(share)][k] for k in ("measured", "simulated"))
-        steps = [*lengths, None]
-        doc["crossover"][str(share)]["grid_steps_apart"] = abs(steps.index(m) - steps.index(s))
+            cross[source] = crossover(row)
+        for source in ("simulated", "calibrated"):
+            cross[f"{source}_grid_steps_apart"] = abs(steps.index(cross["measured"]) - steps.index(cross[source]))
 
 
 def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None:
@@ -90,23 +98,32 @@ def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path)
              f"Measured {doc['started']} (simulated {doc.get('simulated', doc['started'])}) on {doc['cpu']}, commit "
              f"{doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per cell at {doc['rate']} req/s; wall {doc['wall_s']:.0f} s.", "",
-             "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads), measured | simulated "
-             "(the simulator replays each measured cell's trace, with the frontend's costs calibrated on a separate "
-             "load: " + "; ".join(f"{t}-thread workers {h}" for t, h in doc["host"].items())
-             + "). Below 1: disaggregation wins.", "",
-             "| long share \\ length | " + " | ".join(str(n) for n in lengths) + " | crossover measured | simulated |",
-             "|---|" + "---|" * (len(lengths) + 2)]
+             "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads): measured | simulated "
+             "with the engines alone (`kvbaton sim run`'s default: the step profiles) | simulated with the frontend's "
+             "costs calibrated on a separate load (" + "; ".join(f"{t}-thread workers {h}" for t, h in
+                                                              doc["host"].items())
+             + "). The simulator replays each measured cell's trace. Below 1: disaggregation wins. Crossover: the "
+             "shortest long-prompt length from which 1P+1D stays better.", "",
+             "| long share \\ length | " + " | ".join(str(n) for n in lengths)
+             + " | crossover measured | simulated (engines) | simulated + frontend |",
+             "|---|" + "---|" * (len(lengths) + 3)]
     for share in shares:
         cells = [doc["cells"][f"{n}x{share}"] for n in lengths]
         cross = doc["crossover"][str(share)]
-        pairs = [f"{_f(c.get('measured_ratio'))} \\| {_f(c.get('simulated_ratio'))}" for c in cells]
-        lines.append(f"| {share:.0%} | " + " | ".join(pairs)
-                     + f" | {cross['measured'] or 'never'} | {cross['simulated'] or 'never'} |")
-    lines += ["", "Per cell, TPOT p99 ms (pd / single), measured and simulated:", ""]
+        triples = [" \\| ".join(_f(c.get(f"{source}_ratio")) for source in SOURCES) for c in cells]
+        lines.append(f"| {share:.0%} | " + " | ".join(triples) + " | "
+                     + " | ".join(_cross(cross[source], lengths) for source in SOURCES) + " |")
+    lines += ["", "Per cell, TPOT p99 ms (pd / single): measured, simulated (engines), simulated + frontend:", ""]
     for key, c in doc["cells"].items():
-        lines.append(f"- {key}: measured {_f(c.get('pd_tpot_p99'))} / {_f(c.get('single_tpot_p99'))}, simulated "
-                     f"{_f(c.get('sim_pd_tpot_p99'))} / {_f(c.get('sim_single_tpot_p99'))}")
+        lines.append(f"- {key}: " + ", ".join(f"{_f(c.get(f'{prefix}pd_tpot_p99'))} / "
+                                              f"{_f(c.get(f'{prefix}single_tpot_p99'))}"
+                                              for prefix in SOURCES.values()))
     path.write_text("\n".join(lines) + "\n")
+
+
+def _cross(length: int | None, lengths: list[int]) -> str:
+    """The crossover as the grid can tell it: at its shortest length, only that it is no longer."""
+    return "never" if length is None else f"<= {length}" if length == lengths[0] else str(length)
 
 
 def _f(x: float | None) -> str:
@@ -120,8 +137,8 @@ def plot(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, source in zip(axes, ("measured", "simulated")):
+    fig, axes = plt.subplots(1, len(SOURCES), figsize=(5 * len(SOURCES), 4), sharey=True)
+    for ax, source in zip(axes, SOURCES):
         grid = np.array([[doc["cells"][f"{n}x{s}"].get(f"{source}_ratio") or np.nan for n in lengths]
                          for s in shares])
         im = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.5, vmax=1.5, origin="lower")
@@ -130,7 +147,7 @@ def plot(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
         ax.set_yticks(range(len(shares)), [f"{s:.0%}" for s in shares])
         ax.set_xlabel("long prompt tokens")
-        ax.set_title(f"{source}: TPOT p99 pd / single")
+        ax.set_title(f"{TITLES[source]}: TPOT p99 pd / single", fontsize=9)
     axes[0].set_ylabel("share of long prompts")
     fig.colorbar(im, ax=axes, shrink=0.8)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -145,15 +162,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR,
                     help="this CPU kind's sim-profile-*.json, sim-host-*.json (else measured)")
-    ap.add_argument("--replay", type=Path, default=None, metavar="RUN_JSON",
-                    help="simulate a previous run's measured cells (pd-crossover-<date>.json) again, e.g. with a "
-                         "refitted step model; measures nothing")
+    ap.add_argument("--replay", type=Path, nargs="+", default=None, metavar="RUN_JSON",
+                    help="simulate previous runs' measured cells (pd-crossover-<date>.json; several: one grid, e.g. "
+                         "an extension to shorter prompts) again, e.g. with a refitted step model; measures nothing")
     args = ap.parse_args()
-    previous = read_json(args.replay) if args.replay else None
-    if previous:  # the grid, rate and seed of the measured run
-        args.lengths, args.shares = (",".join(sorted({k.split("x")[i] for k in previous["cells"]}, key=float))
-                                     for i in (0, 1))
+    runs = [read_json(path) for path in args.replay or ()]
+    previous = runs[0] if runs else None
+    # where each measured cell's traces are: pd-crossover-<stamp>-<set-up>-<length>-<share>.json
+    stamps = {key: path.stem.removeprefix("pd-crossover-") for path, run in zip(args.replay or (), runs)
+              for key in run["cells"]}
+    if previous:  # the grid, rate and seed of the measured runs
+        args.lengths, args.shares = (",".join(sorted({k.split("x")[i] for k in stamps}, key=float)) for i in (0, 1))
         args.rate, args.num_prompts, args.seed = previous["rate"], previous["num_prompts"], previous["seed"]
+        if {(r["rate"], r["num_prompts"]) for r in runs} != {(args.rate, args.num_prompts)}:
+            raise SystemExit("--replay: the runs differ in rate or requests per cell; they are not one grid")
     from kvbaton.models.registry import pull_default_model
 
     model_dir = str(pull_default_model())
@@ -162,14 +184,13 @@ def main() -> None:
     seed = fresh_seed() if args.seed is None else args.seed
     started = datetime.now()
     run_stamp = stamp(started)
-    measured_stamp = args.replay.stem.removeprefix("pd-crossover-") if args.replay else run_stamp
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in (1, 2)}
     hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
              for t in (1, 2)}
-    doc: dict = {"started": previous["started"] if previous else started.isoformat(timespec="seconds"),
+    doc: dict = {"started": ", ".join(r["started"] for r in runs) or started.isoformat(timespec="seconds"),
                  "simulated": started.isoformat(timespec="seconds"),
                  "command": command_line("bench_pd_crossover.py", sys.argv[1:]), "commit": kvbaton_commit(),
-                 "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": seed,
+                 "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": ", ".join(str(r["seed"]) for r in runs) or seed,
                  "host": {str(t): h.describe() for t, h in hosts.items()}, "rate": args.rate,
                  "num_prompts": args.num_prompts,
                  "cells": {f"{n}x{s}": {} for n, s in cells}, "crossover": {}}
@@ -177,15 +198,18 @@ def main() -> None:
     pool, slo = kv_pool(model_dir, KV_GB), SLO(tpot_ms=TPOT_SLO_MS)
     for name, deployment in SETUPS.items():
         print(f"== {name}: kvbaton serve {' '.join(deployment.serve_args())}", flush=True)
-        traces = {f"{n}x{s}": RESULTS_DIR / f"pd-crossover-{measured_stamp}-{name}-{n}-{s}.json" for n, s in cells} \
-            if previous else measure_setup(name, cells, args, seed, run_stamp, model_dir)
+        traces = {f"{n}x{s}": RESULTS_DIR / f"pd-crossover-{stamps[f'{n}x{s}']}-{name}-{n}-{s}.json"
+                  for n, s in cells} if previous else measure_setup(name, cells, args, seed, run_stamp, model_dir)
         for key, trace in traces.items():
             measured = read_json(trace)["runs"][0]["summary"]
-            simulated, _ = replay(deployment, trace, profiles[deployment.threads], pool, slo, hosts[deployment.threads])
+            profile, host = profiles[deployment.threads], hosts[deployment.threads]
+            engines, _ = replay(deployment, trace, profile, pool, slo)
+            calibrated, _ = replay(deployment, trace, profile, pool, slo, host)
             doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],
-                                      f"sim_{name}_tpot_p99": simulated.tpot_ms.p99})
+                                      f"sim_{name}_tpot_p99": engines.tpot_ms.p99,
+                                      f"simhost_{name}_tpot_p99": calibrated.tpot_ms.p99})
     for c in doc["cells"].values():
-        for source, prefix in (("measured", ""), ("simulated", "sim_")):
+        for source, prefix in SOURCES.items():
             pd, single = c.get(f"{prefix}pd_tpot_p99"), c.get(f"{prefix}single_tpot_p99")
             c[f"{source}_ratio"] = pd / single if pd and single else None
     score(doc, lengths, shares)

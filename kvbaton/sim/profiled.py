@@ -9,10 +9,12 @@ the same as one sequence (c0); past a knee `k` the linears are compute-bound and
 (the hinge terms, convex like max(memory, compute)); where the linears switch kernels (a few-rows dot
 kernel up to `j` rows, then oneDNN) the cost jumps (the step terms: on an AVX512-BF16 EPYC a decode
 step of 8 sequences took twice one of 4); attention costs what it reads (decode_context) or computes
-(prefill_attended). Every coefficient is fitted non-negative, which makes the model
-non-decreasing in every field of the shape, as `StepLatencyModel` asks.
+(prefill_attended). Where the price per token is not convex in N, the segmented form replaces the
+hinges with a slope per segment between knots (Σ_i s_i·|[k_i, k_i+1) ∩ [0, N)|). Every coefficient is
+fitted non-negative, which makes every form non-decreasing in every field of the shape, as
+`StepLatencyModel` asks.
 
-The knots and the jump are chosen by held-out error (k-fold over the profile's grid points); the fit minimizes
+The form (knots, jump, segmented or not) is chosen by held-out error (k-fold over the profile's grid points); the fit minimizes
 *relative* error, since steps span tens of milliseconds to seconds and the error that matters to a
 simulation is a percentage.
 """
@@ -40,6 +42,10 @@ KNOT_CANDIDATES = (8, 32, 64, 128, 256, 512, 1024)
 # Where a jump may go: the few-rows kernels' row limits (kvbaton.platform.compute: 1 on amx, 4 with
 # AVX512-BF16 alone, 8 on avx2); one jump at most, a cost step N > j.
 JUMP_CANDIDATES = (1, 4, 8)
+# The segmented form: a slope of its own between each pair of these (monotone, not convex). An EPYC without
+# AMX prefills 128-256 tokens at a higher price per token than 512-1024 (oneDNN's blocking), which no
+# convex hinge can follow.
+SEGMENT_KNOTS = (4, 16, 64, 128, 256, 512, 1024)
 MAX_FOLDS = 5
 IRLS_ROUNDS = 8
 IRLS_FLOOR = 0.01  # relative errors below 1% weigh as 1%: an exact fit keeps finite weights
@@ -82,6 +88,9 @@ class ProfiledLatency:
     per_token_past_knot: tuple[float, ...] = ()  # slope added past each knot
     jumps: tuple[int, ...] = ()
     per_step_past_jump: tuple[float, ...] = ()  # seconds added once N exceeds each jump
+    # Segmented: `per_token` prices the tokens up to the first knot, `per_token_past_knot[i]` those between knot
+    # i and the next (not added to the slopes before it, as the hinges are).
+    segmented: bool = False
     per_prefill_seq: float = 0.0
     per_prefill_attended: float = 0.0
     per_decode_seq: float = 0.0
@@ -109,15 +118,14 @@ class ProfiledLatency:
 
     @property
     def form(self) -> str:
-        return _form_name(Form(self.knots, self.jumps))
+        return _form_name(Form(self.knots, self.jumps, self.segmented))
 
     def step_seconds(self, shape: StepShape) -> float:
         if shape.is_empty:
             return 0.0
         n = shape.num_tokens
         # NOTE: plain floats, not numpy: the simulator calls this once per simulated step.
-        return (self.intercept + self.per_token * n
-                + sum(c * max(0, n - k) for k, c in zip(self.knots, self.per_token_past_knot))
+        return (self.intercept + _token_cost(n, self.knots, self.per_token, self.per_token_past_knot, self.segmented)
                 + sum(c for j, c in zip(self.jumps, self.per_step_past_jump) if n > j)
                 + self.per_prefill_seq * shape.prefill_seqs + self.per_prefill_attended * shape.prefill_attended
                 + self.per_decode_seq * shape.decode_seqs + self.per_decode_context * shape.decode_context)
@@ -146,7 +154,7 @@ class ProfiledLatency:
             tried: tuple[FitError, ...] = ()) -> ProfiledLatency:
         k, j = len(form.knots), len(form.jumps)
         rest = c[2 + k + j:]
-        return cls(intercept=float(c[0]), per_token=float(c[1]), knots=form.knots,
+        return cls(intercept=float(c[0]), per_token=float(c[1]), knots=form.knots, segmented=form.segmented,
                    per_token_past_knot=tuple(float(v) for v in c[2:2 + k]), jumps=form.jumps,
                    per_step_past_jump=tuple(float(v) for v in c[2 + k:2 + k + j]), per_prefill_seq=float(rest[0]),
                    per_prefill_attended=float(rest[1]), per_decode_seq=float(rest[2]),
@@ -156,7 +164,7 @@ class ProfiledLatency:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "form": self.form, "knots": list(self.knots), "jumps": list(self.jumps),
+            "form": self.form, "knots": list(self.knots), "jumps": list(self.jumps), "segmented": self.segmented,
             "coefficients": {"intercept_s": self.intercept, "per_token_s": self.per_token,
                              "per_token_past_knot_s": list(self.per_token_past_knot),
                              "per_step_past_jump_s": list(self.per_step_past_jump),
@@ -176,6 +184,7 @@ class ProfiledLatency:
                    knots=tuple(int(k) for k in d["knots"]),
                    per_token_past_knot=tuple(float(v) for v in c["per_token_past_knot_s"]),
                    jumps=tuple(int(j) for j in d.get("jumps", ())),  # profiles before jumps have none
+                   segmented=bool(d.get("segmented", False)),
                    per_step_past_jump=tuple(float(v) for v in c.get("per_step_past_jump_s", ())),
                    per_prefill_seq=float(c["per_prefill_seq_s"]),
                    per_prefill_attended=float(c["per_prefill_attended_s"]),
@@ -240,10 +249,21 @@ class Form:
 
     knots: tuple[int, ...] = ()
     jumps: tuple[int, ...] = ()
+    segmented: bool = False
+
+
+def _token_cost(n: int, knots: Sequence[int], first: float, slopes: Sequence[float], segmented: bool) -> float:
+    if not segmented:
+        return first * n + sum(c * max(0, n - k) for k, c in zip(knots, slopes))
+    ends = (*knots[1:], math.inf)
+    return first * min(n, knots[0]) + sum(c * max(0.0, min(n, end) - k) for k, end, c in zip(knots, ends, slopes))
 
 
 def _form_name(form: Form) -> str:
-    name = "linear" if not form.knots else "hinge@" + ",".join(map(str, form.knots))
+    if form.segmented:
+        name = "segments@" + ",".join(map(str, form.knots))
+    else:
+        name = "linear" if not form.knots else "hinge@" + ",".join(map(str, form.knots))
     return name + "".join(f"+jump@{j}" for j in form.jumps)
 
 
@@ -262,7 +282,9 @@ def _candidate_forms(samples: Sequence[ProfileSample]) -> list[Form]:
     pairs = list(itertools.combinations(inside, 2)) if len(inside) > 2 else []
     knot_sets = [(), *((k,) for k in inside), *pairs, *([inside] if len(inside) > 1 else [])]
     jumps = [(), *((j,) for j in JUMP_CANDIDATES if min(tokens) <= j < max(tokens))]
-    return [Form(knots, jump) for jump in jumps for knots in knot_sets]
+    segments = tuple(k for k in SEGMENT_KNOTS if min(tokens) <= k < max(tokens))
+    segmented = [Form(segments, jump, segmented=True) for jump in jumps] if segments else []
+    return [Form(knots, jump) for jump in jumps for knots in knot_sets] + segmented
 
 
 def _simplest_best(candidates: list[Form], tried: list[FitError]) -> int:
@@ -277,8 +299,13 @@ def _simplest_best(candidates: list[Form], tried: list[FitError]) -> int:
 
 def _features(shape: StepShape, form: Form) -> list[float]:
     n = shape.num_tokens
-    return [1.0, n, *(max(0, n - k) for k in form.knots), *(float(n > j) for j in form.jumps), shape.prefill_seqs,
-            shape.prefill_attended, shape.decode_seqs, shape.decode_context]
+    if form.segmented:
+        ends = (*form.knots[1:], math.inf)
+        tokens = [min(n, form.knots[0]), *(max(0.0, min(n, end) - k) for k, end in zip(form.knots, ends))]
+    else:
+        tokens = [n, *(max(0, n - k) for k in form.knots)]
+    return [1.0, *tokens, *(float(n > j) for j in form.jumps), shape.prefill_seqs, shape.prefill_attended,
+            shape.decode_seqs, shape.decode_context]
 
 
 def _solve(samples: Sequence[ProfileSample], form: Form) -> np.ndarray:

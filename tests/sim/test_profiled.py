@@ -181,3 +181,18 @@ def test_a_profile_from_before_jumps_still_loads(tmp_path: Path) -> None:
     section = TRUE.to_dict()
     del section["jumps"], section["coefficients"]["per_step_past_jump_s"]
     assert ProfiledLatency.from_dict(section) == dataclasses.replace(TRUE, fit_error=None)
+
+
+def test_a_price_per_token_that_is_not_convex_gets_the_segmented_form() -> None:
+    from kvbaton.sim.profiled import SEGMENT_KNOTS
+
+    # dearer per token from 128 to 512 than past 512: no convex hinge can follow it
+    nonconvex = dataclasses.replace(TRUE, knots=SEGMENT_KNOTS, segmented=True,
+                                    per_token_past_knot=(1e-4, 1e-4, 2e-4, 9e-4, 8e-4, 4e-4, 1e-3))
+    fitted = ProfiledLatency.fit(samples_of(nonconvex))
+    assert fitted.segmented and fitted.knots == SEGMENT_KNOTS
+    for s in grid_shapes():
+        assert fitted.step_seconds(s) == pytest.approx(nonconvex.step_seconds(s), rel=1e-6)
+    costs = [fitted.step_seconds(shape(prefill=n)) for n in range(1, 2100, 7)]
+    assert costs == sorted(costs)  # monotone all the same
+    assert ProfiledLatency.from_dict(fitted.to_dict()) == dataclasses.replace(fitted, label="")
