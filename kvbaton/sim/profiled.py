@@ -14,9 +14,9 @@ hinges with a slope per segment between knots (Σ_i s_i·|[k_i, k_i+1) ∩ [0, N
 fitted non-negative, which makes every form non-decreasing in every field of the shape, as
 `StepLatencyModel` asks.
 
-The form (knots, jump, segmented or not) is chosen by held-out error (k-fold over the profile's grid points); the fit minimizes
-*relative* error, since steps span tens of milliseconds to seconds and the error that matters to a
-simulation is a percentage.
+The form (knots, jump, segmented or not) is chosen by held-out error (k-fold over the profile's grid
+points); the fit minimizes *relative* error, since steps span tens of milliseconds to seconds and the
+error that matters to a simulation is a percentage.
 """
 
 from __future__ import annotations
@@ -101,8 +101,7 @@ class ProfiledLatency:
 
     def __post_init__(self) -> None:
         values = (self.intercept, self.per_token, *self.per_token_past_knot, *self.per_step_past_jump,
-                  self.per_prefill_seq,
-                  self.per_prefill_attended, self.per_decode_seq, self.per_decode_context)
+                  self.per_prefill_seq, self.per_prefill_attended, self.per_decode_seq, self.per_decode_context)
         if not all(math.isfinite(v) and v >= 0 for v in values):
             raise ProfileError("step-latency coefficients must be finite and non-negative")
         if self.intercept + self.per_token <= 0:  # a one-token step must cost something
@@ -111,6 +110,8 @@ class ProfiledLatency:
             raise ProfileError("step-latency knots must be positive, one slope each")
         if len(self.jumps) != len(self.per_step_past_jump) or any(j < 1 for j in self.jumps):
             raise ProfileError("step-latency jumps must be positive, one step each")
+        if self.segmented and not self.knots:
+            raise ProfileError("a segmented step-latency model needs its segments' knots")
 
     @property
     def name(self) -> str:
@@ -134,7 +135,7 @@ class ProfiledLatency:
 
     @classmethod
     def fit(cls, samples: Sequence[ProfileSample], label: str = "") -> ProfiledLatency:
-        """The form (knots, jump) with the least held-out error, refitted on every sample."""
+        """The form (knots, jump, segmented or not) with the least held-out error, refitted on every sample."""
         samples = _checked(samples)
         candidates = _candidate_forms(samples)
         tried = [_held_out_error(samples, form) for form in candidates]

@@ -63,6 +63,10 @@ def _loads(args: argparse.Namespace, seed: int) -> list[tuple[float, list[SimReq
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     instance = instance_from_args(args)
     host = HostOverhead.load(args.host_overhead) if getattr(args, "host_overhead", None) else HostOverhead()
+    host_cores = max(host.host_cores, getattr(args, "host_cores", 0))
+    if host_cores and not instance.cpu_threads:  # else no step would ever fill the cores, and none would pay
+        raise ConfigError(f"the frontend's price holds while {host_cores} shared cores are busy: say how many each "
+                          "worker computes with (--cpu-threads)")
     return ClusterSpec(decode=instance, num_decode=args.decode, num_prefill=args.prefill, link=_link(args),
                        prefill_policy=args.routing, decode_policy=args.routing,
                        local_prefill_threshold=args.local_prefill_threshold,

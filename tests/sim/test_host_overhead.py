@@ -138,6 +138,16 @@ def test_a_bad_host_overhead_file_is_one_line_and_status_2(content: str, argv: l
     assert "not a host-overhead file" in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_price_on_shared_cores_without_the_workers_threads_is_refused(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    host = tmp_path / "host.json"
+    HostOverhead(per_token_s=0.001, host_cores=2).save(host)
+    assert main(["sim", "run", "--hardware", "h100-sxm", "--model-preset", "llama-3-8b", "--num-blocks", "100",
+                 "--num-prompts", "4", "--host-overhead", str(host)]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-threads" in err and len(err.strip().splitlines()) == 1
+
+
 def test_calibrating_on_a_file_that_is_no_measured_run_is_one_line(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.json"
