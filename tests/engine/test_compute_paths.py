@@ -121,8 +121,13 @@ def test_bf16_logprobs_within_tolerance_of_fp32(default_model_dir, fp32_logprobs
     got = first_logprobs(llm, default_prompts(fp32_llm))
     worst = 0.0
     for ref, lps in zip(reference, got):
-        top = max(ref, key=ref.__getitem__)
-        assert max(lps, key=lps.__getitem__) == top  # the same greedy first token
+        top, runner_up = sorted(ref, key=ref.__getitem__)[::-1][:2]
+        # The same greedy first token, where bf16 can tell: it rounds logits near 20 to steps of 0.125, so two
+        # tokens fp32 puts closer than the tolerance may tie or swap (0.098 apart, tied on an EPYC's onednn row).
+        # Then the fp32 favourite must still be bf16's best within the tolerance.
+        if ref[top] - ref[runner_up] > 2 * BF16_LOGPROB_TOLERANCE:
+            assert max(lps, key=lps.__getitem__) == top
+        assert top in lps and max(lps.values()) - lps[top] < BF16_LOGPROB_TOLERANCE
         worst = max(worst, *(abs(lps[t] - ref[t]) for t in ref if t in lps))
         assert len(set(ref) & set(lps)) >= 7
     print(f"{path}{' deterministic' if deterministic else ''}: worst |bf16 - fp32| logprob {worst:.3f}")
