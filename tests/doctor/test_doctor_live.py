@@ -10,22 +10,22 @@ import random
 
 import httpx
 import pytest
-from server_harness import kvbaton_server
+from served import served
 
 from kvbaton.cli import main as cli_main
 
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "doctor-test-admin-key"
-STARTUP_S = 300.0
 
 
 @pytest.fixture(scope="module")
 def deployment(default_model_dir):
     """`kvbaton serve --prefill 1 --decode 1` on a free loopback port, with an admin key; stopped by PID."""
-    with kvbaton_server("--prefill", "1", "--decode", "1", "--threads", "1", "--kv-cache-memory-gb", "0.25",
-                        "--max-model-len", "1024", "--admin-api-key", ADMIN_KEY, startup_s=STARTUP_S) as (base, _):
-        yield base
+    # NOTE: `served` drains the server's output: the probes log, and an unread pipe could fill and block it
+    with served("--prefill", "1", "--decode", "1", "--threads", "1", "--kv-cache-memory-gb", "0.25",
+                "--max-model-len", "1024", "--admin-api-key", ADMIN_KEY) as srv:
+        yield srv.base
 
 
 def _admin() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""`kvbaton serve` for the fuzz and soak tests: the harness's server, with its output drained.
+"""`kvbaton serve` for the fuzz, soak, autoscale and doctor tests: the harness's server, with its output drained.
 
 NOTE: the harness gives the server a stdout pipe that nobody reads while it runs; under fuzzing
 or a long soak the server and its workers may log enough to fill the pipe and block on a write.
