@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbaton.config import WRITE_POLICIES, CacheConfig, ConfigError, EngineConfig, KVStoreConfig, SchedulerConfig
@@ -49,6 +50,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: greedy output independent of batching, chunking, threads and "
                         "PD placement (slower prefill)")
+    p.add_argument("--step-trace", default=None, metavar="DIR",
+                   help="append each engine step's shape and seconds to DIR/steps-<pid>.jsonl (one file per "
+                        "worker), for `kvbaton sim fit-steps`")
     _add_kv_store_args(p)
 
 
@@ -86,6 +90,19 @@ def kv_store_config_from_args(args: argparse.Namespace) -> KVStoreConfig:
                          write_policy=args.kv_store_write_policy)
 
 
+def step_trace_dir(path: str | None) -> str | None:
+    """--step-trace's directory, made now: a bad one is the command line's error, not each worker's."""
+    if path is None:
+        return None
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--step-trace {path}: cannot make that directory ({exc.strerror or exc})") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--step-trace {path}: the directory is not writable")
+    return str(Path(path).resolve())  # workers may run elsewhere than this command's directory
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, num_threads=args.threads,
@@ -94,7 +111,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-        kv_store=kv_store_config_from_args(args),
+        kv_store=kv_store_config_from_args(args), step_trace_dir=step_trace_dir(args.step_trace),
     )
 
 

@@ -405,6 +405,7 @@ class EngineConfig:
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     expert_parallel: ExpertParallelConfig | None = None
     expert_load_window_steps: int = 1000  # MoE: the expert load statistics (and EPLB) cover this many steps
+    step_trace_dir: str | None = None  # each step's shape and seconds, appended to <dir>/steps-<pid>.jsonl
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -33,6 +33,8 @@ from kvbaton.engine.outputs import (
 from kvbaton.engine.request import Request, RequestStatus
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
+from kvbaton.engine.step_shape import StepShape
+from kvbaton.engine.step_trace import StepTrace
 from kvbaton.engine.structured.admission import GrammarAdmission
 from kvbaton.engine.structured.grammar import GrammarCompiler
 from kvbaton.engine.structured.matchers import GrammarMatchers
@@ -148,6 +150,21 @@ class EngineCore:
             from kvbaton.engine.compile import compile_model
 
             compile_model(self.runner)
+        self.step_trace = self._open_step_trace() if config.step_trace_dir else None
+
+    def _open_step_trace(self) -> StepTrace:
+        """The header says what `kvbaton sim fit-steps` writes into the profile it fits from the trace."""
+        assert self.config.step_trace_dir is not None
+        cpu = detect_cpu()
+        header = {"model": self.model_dir.name, "model_path": str(self.model_dir),
+                  "dtype": str(self.dtype).removeprefix("torch."), "kv_cache_dtype": self.kv_layout.dtype,
+                  "threads": torch.get_num_threads(), "kernels": self.config.kernels,
+                  "compute_path": self.compute_plan.summary(), "cpu": cpu.summary(), "torch": torch.__version__,
+                  "block_size": self.info.block_size, "num_blocks": self.info.num_blocks,
+                  "max_model_len": self.info.max_model_len,
+                  "kv_bytes_per_token": self.kv_layout.bytes_per_block // self.info.block_size,
+                  "max_num_batched_tokens": self.info.max_num_batched_tokens}
+        return StepTrace.in_dir(self.config.step_trace_dir, header)
 
     def _join_expert_parallel(self, model_dir: Path) -> ExpertParallelGroup | None:
         ep = self.config.expert_parallel
@@ -233,6 +250,7 @@ class EngineCore:
         ready, refused = self.grammars.ready(idle=not self.scheduler.has_unfinished())
         for req in ready:
             self.scheduler.add_request(req)
+        scheduled_at = time.perf_counter()
         sched = self.scheduler.schedule()
         if self.expert_parallel is not None:
             self.expert_parallel.join_step(has_tokens=not sched.is_empty)
@@ -256,6 +274,8 @@ class EngineCore:
         new_blocks = self.kv_cache.drain_new_blocks()
         if self.store is not None:
             self._store_step(sched, time.perf_counter() - start, new_blocks)
+        if self.step_trace is not None:  # timed as `sim profile` times a step: from scheduling on
+            self.step_trace.record(StepShape.of(sched.scheduled), time.perf_counter() - scheduled_at)
         return StepResult(outputs, model_output.failed_transfers, refused)
 
     def _store_step(self, sched: SchedulerOutput, seconds: float, new_blocks: list[tuple[BlockHash, int]]) -> None:
@@ -367,3 +387,5 @@ class EngineCore:
             self.store.close()
         self.runner.pools.close()
         self.grammars.close()
+        if self.step_trace is not None:
+            self.step_trace.close()

@@ -43,10 +43,10 @@ from kvbaton.engine.engine import LLMEngine
 from kvbaton.engine.outputs import ScheduledRequest, SchedulerOutput
 from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.engine.step_trace import PROFILE_FORMAT
 from kvbaton.models.registry import DEFAULT_MODEL
 from kvbaton.platform.cpu import FEATURES, detect_cpu
 
-PROFILE_FORMAT = "kvbaton-step-profile/1"
 VISIT_STEPS = 2  # a warm-up step, then the timed one
 
 

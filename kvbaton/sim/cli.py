@@ -44,6 +44,14 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     refit = sub.add_parser("refit", help="fit a profile's measured steps again (today's model forms), no measuring")
     refit.add_argument("profile", metavar="PROFILE_JSON", help="a `kvbaton sim profile` file")
     refit.add_argument("--out", default=None, metavar="PATH", help="write here instead of over PROFILE_JSON")
+    fit_steps = sub.add_parser("fit-steps", help="fit a step profile to served steps (`serve --step-trace`)",
+                               description="Fit a step-latency model to the steps a served deployment traced "
+                                           "(`kvbaton serve --step-trace DIR`), and compare them with a profile.")
+    fit_steps.add_argument("traces", nargs="+", metavar="TRACE",
+                           help="steps-*.jsonl files, or directories of them (one engine configuration's)")
+    fit_steps.add_argument("--out", default=None, metavar="PATH", help="where the fitted profile goes")
+    fit_steps.add_argument("--compare", default=None, metavar="PROFILE_JSON",
+                           help="say how the served steps compare with this profile's prediction, per kind of step")
     _add_profile_args(sub.add_parser("profile", help="measure this machine's engine steps and fit a step-latency "
                                                      "model"))
     return sim
@@ -112,6 +120,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.sim_command == "refit":
             return _refit(args)
+        if args.sim_command == "fit-steps":
+            return _fit_steps(args)
         return run_calibration(args) if args.sim_command == "calibrate" else run_simulation(args)
     except (BenchError, ConfigError, ValueError, OSError) as exc:
         print(f"kvbaton sim: error: {exc}", file=sys.stderr)
@@ -125,4 +135,31 @@ def _refit(args: argparse.Namespace) -> int:
     error = model.fit_error
     held_out = f", held-out error median {error.median_ape:.1%}, p90 {error.p90_ape:.1%}" if error else ""
     print(f"{model.form}{held_out} -> {args.out or args.profile}")
+    return 0
+
+
+def _fit_steps(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from kvbaton.sim.profiled import ProfiledLatency
+    from kvbaton.sim.served_steps import compare, fit_steps, read_traces
+
+    if args.out is None and args.compare is None:
+        raise ValueError("fit-steps needs --out (write the fitted profile) or --compare (compare with a profile)")
+    reference = ProfiledLatency.load(args.compare) if args.compare else None  # a bad file fails before the fit
+    traced = read_traces(args.traces)
+    skipped = f" ({traced.lines_skipped} lines that are not a step skipped)" if traced.lines_skipped else ""
+    print(f"{len(traced.steps)} steps from {len(traced.files)} trace files{skipped}")
+    if args.out:
+        profile = fit_steps(traced)
+        Path(args.out).write_text(json.dumps(profile, indent=1) + "\n")
+        model = ProfiledLatency.from_dict(profile["latency_model"])
+        error = model.fit_error
+        held_out = f", held-out error median {error.median_ape:.1%}, p90 {error.p90_ape:.1%}" if error else ""
+        print(f"{profile['source']['distinct_shapes_fitted']} distinct shapes: {model.form}{held_out} -> {args.out}")
+    if reference is not None:
+        print(f"served steps over {args.compare}'s prediction for their shapes:")
+        for row in compare(traced.steps, reference):
+            print(f"  {row.describe()}")
     return 0

@@ -1,0 +1,183 @@
+"""A step profile fitted to served steps (`--step-trace`), and how served steps compare with a profile.
+
+    kvbaton serve --step-trace traces/ ...            each worker appends its steps
+    kvbaton sim fit-steps traces/ --out served.json [--compare sim-profile.json]
+
+`kvbaton sim profile` times crafted steps on an engine that has the machine to itself. A served engine
+shares it: with the HTTP frontend, the tokenizer and detokenizer, the other workers, KV transfers. The
+profile fitted here prices steps as they ran there, so a simulation with it (`sim run --profile`) carries
+that interference for loads like the traced one; `--compare` says how far the crafted profile is from
+the served steps, per kind of step (decode, prefill, mixed), which is how much of a gap between a
+simulation and a measurement the engine's steps explain (the rest is outside them: queueing in the
+frontend, streaming).
+
+Steps of one shape are condensed to their median (a served trace repeats decode shapes thousands of
+times); at most `MAX_SAMPLES` shapes are fitted, a fixed-seed draw of them beyond that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbaton.engine.step_shape import StepShape
+from kvbaton.engine.step_trace import PROFILE_FORMAT, TRACE_FORMAT
+from kvbaton.sim.profiled import ProfiledLatency, ProfileError, ProfileSample
+
+MAX_SAMPLES = 1500  # the fit tries ~100 forms x 5 folds: seconds at this size
+# What must agree across the files fitted together: one engine configuration's steps.
+SAME_ENGINE = ("model", "dtype", "kv_cache_dtype", "threads", "kernels", "compute_path")
+SHAPE_FIELDS = ("prefill_tokens", "prefill_seqs", "prefill_attended", "decode_seqs", "decode_context")
+
+
+@dataclass(frozen=True)
+class TracedSteps:
+    """The steps of one or more trace files of one engine configuration."""
+
+    header: dict[str, Any]
+    steps: list[ProfileSample]
+    files: tuple[str, ...]
+    lines_skipped: int  # lines that were not a step (a worker killed mid-line leaves one)
+
+
+def step_kind(shape: StepShape) -> str:
+    return "mixed" if shape.prefill_tokens and shape.decode_seqs else "prefill" if shape.prefill_tokens else "decode"
+
+
+def trace_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files named, a directory standing for its steps-*.jsonl."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        found = sorted(p.glob("steps-*.jsonl")) if p.is_dir() else [p]
+        if not found:
+            raise ProfileError(f"{p}: no steps-*.jsonl in that directory (was the server run with --step-trace?)")
+        files += found
+    return files
+
+
+def read_traces(paths: Sequence[str | Path]) -> TracedSteps:
+    """Every step of the files; ProfileError if one is not a step trace or they trace different engines."""
+    header: dict[str, Any] | None = None
+    first = ""
+    steps: list[ProfileSample] = []
+    skipped = 0
+    files = trace_files(paths)
+    for path in files:
+        this, lines = _read_file(path)
+        if header is None:
+            header, first = this, str(path)
+        else:
+            differ = [k for k in SAME_ENGINE if this.get(k) != header.get(k)]
+            if differ:
+                raise ProfileError(f"{path} traces another engine than {first} ({', '.join(differ)} differ): fit "
+                                   "one configuration's workers at a time")
+        for line in lines:
+            step = _step(line)
+            if step is None:
+                skipped += 1
+            else:
+                steps.append(step)
+    assert header is not None
+    if not steps:
+        raise ProfileError(f"{', '.join(map(str, files))}: no steps traced (no request reached the engine?)")
+    return TracedSteps(header, steps, tuple(map(str, files)), skipped)
+
+
+def _read_file(path: Path) -> tuple[dict[str, Any], list[str]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ProfileError(f"cannot read step trace {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path} is not a step trace (not text)") from exc
+    try:
+        header = json.loads(lines[0]) if lines else None
+    except json.JSONDecodeError:
+        header = None
+    if not isinstance(header, dict) or header.get("format") != TRACE_FORMAT:
+        raise ProfileError(f"{path} is not a step trace (its first line is not a {TRACE_FORMAT} header)")
+    return header, lines[1:]
+
+
+def _step(line: str) -> ProfileSample | None:
+    try:
+        d = json.loads(line)
+        shape, seconds = d["shape"], float(d["seconds"])
+        values = [shape[k] for k in SHAPE_FIELDS]
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+    if not all(type(v) is int and v >= 0 for v in values) or not (math.isfinite(seconds) and seconds > 0):
+        return None
+    step = StepShape(*values)
+    return None if step.is_empty else ProfileSample(step, seconds)
+
+
+def condense(steps: Sequence[ProfileSample], max_samples: int = MAX_SAMPLES,
+             seed: int = 0) -> list[tuple[ProfileSample, int]]:
+    """One sample per distinct shape, its steps' median seconds, with how many steps it stands for."""
+    by_shape: dict[StepShape, list[float]] = defaultdict(list)
+    for s in steps:
+        by_shape[s.shape].append(s.seconds)
+    condensed = [(ProfileSample(shape, statistics.median(t)), len(t)) for shape, t in by_shape.items()]
+    condensed.sort(key=lambda c: (c[0].shape.num_tokens, c[0].shape.decode_context, c[0].shape.prefill_attended))
+    if len(condensed) > max_samples:
+        keep = sorted(random.Random(seed).sample(range(len(condensed)), max_samples))
+        condensed = [condensed[i] for i in keep]
+    return condensed
+
+
+@dataclass(frozen=True)
+class KindComparison:
+    """Served steps of one kind over what a profile predicts for their shapes."""
+
+    kind: str
+    steps: int
+    served_s: float  # their seconds, summed
+    median_ratio: float  # of served / predicted, per step
+    p90_ratio: float
+    time_ratio: float  # summed served seconds / summed predicted seconds
+
+    def describe(self) -> str:
+        return (f"{self.kind:<8} {self.steps:>7} steps, {self.served_s:8.2f} s served: served / profile median "
+                f"{self.median_ratio:.2f}, p90 {self.p90_ratio:.2f}, in total {self.time_ratio:.2f}")
+
+
+def compare(steps: Sequence[ProfileSample], model: ProfiledLatency) -> list[KindComparison]:
+    ratios: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for s in steps:
+        ratios[step_kind(s.shape)].append((s.seconds, model.step_seconds(s.shape)))
+    out = []
+    for kind in ("decode", "prefill", "mixed"):
+        pairs = ratios.get(kind)
+        if not pairs:
+            continue
+        per_step = sorted(t / p for t, p in pairs)
+        out.append(KindComparison(kind, len(pairs), sum(t for t, _ in pairs), statistics.median(per_step),
+                                  per_step[min(len(per_step) - 1, int(0.9 * len(per_step)))],
+                                  sum(t for t, _ in pairs) / sum(p for _, p in pairs)))
+    return out
+
+
+def fit_steps(traced: TracedSteps) -> dict[str, Any]:
+    """A step profile (the `kvbaton sim profile` format) of the traced steps."""
+    samples = condense(traced.steps)
+    h = traced.header
+    label = f"{h.get('model')}, {h.get('dtype')}, {h.get('threads')} threads, served steps"
+    model = ProfiledLatency.fit([s for s, _ in samples], label)
+    engine = {k: v for k, v in h.items() if k != "format"}
+    return {"format": PROFILE_FORMAT, **engine,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "source": {"step_traces": list(traced.files), "steps": len(traced.steps),
+                       "lines_skipped": traced.lines_skipped, "distinct_shapes_fitted": len(samples)},
+            "samples": [{"kind": step_kind(s.shape), "shape": dataclasses.asdict(s.shape), "seconds": s.seconds,
+                         "steps": n} for s, n in samples],
+            "latency_model": model.to_dict()}
