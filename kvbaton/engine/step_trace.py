@@ -47,6 +47,8 @@ class StepTrace:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = path.open("a", buffering=1 << 16)
             self._write({"format": TRACE_FORMAT, **header})
+            if self._file is not None:
+                self._file.flush()  # the file says whose it is before any step
         except OSError as exc:
             self._off(exc)
 
