@@ -50,7 +50,7 @@ from kvbaton.layers.compute_paths import apply_compute_plan
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
 from kvbaton.platform.compute import ComputePlan, choose_compute_plan
-from kvbaton.platform.cpu import detect_cpu
+from kvbaton.platform.cpu import FEATURES, detect_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -152,18 +152,23 @@ class EngineCore:
             compile_model(self.runner)
         self.step_trace = self._open_step_trace() if config.step_trace_dir else None
 
-    def _open_step_trace(self) -> StepTrace:
-        """The header says what `kvbaton sim fit-steps` writes into the profile it fits from the trace."""
-        assert self.config.step_trace_dir is not None
+    def cost_description(self) -> dict[str, object]:
+        """What a step's cost depends on besides its shape: the head of a step profile and of a step trace."""
         cpu = detect_cpu()
-        header = {"model": self.model_dir.name, "model_path": str(self.model_dir),
-                  "dtype": str(self.dtype).removeprefix("torch."), "kv_cache_dtype": self.kv_layout.dtype,
-                  "threads": torch.get_num_threads(), "kernels": self.config.kernels,
-                  "compute_path": self.compute_plan.summary(), "cpu": cpu.summary(), "torch": torch.__version__,
-                  "block_size": self.info.block_size, "num_blocks": self.info.num_blocks,
-                  "max_model_len": self.info.max_model_len,
-                  "kv_bytes_per_token": self.kv_layout.bytes_per_block // self.info.block_size,
-                  "max_num_batched_tokens": self.info.max_num_batched_tokens}
+        return {"model": self.model_dir.name, "model_path": str(self.model_dir),
+                "dtype": str(self.dtype).removeprefix("torch."), "kv_cache_dtype": self.kv_layout.dtype,
+                "threads": torch.get_num_threads(), "kernels": self.config.kernels,
+                "compute_path": self.compute_plan.summary(),
+                "cpu": {"model_name": cpu.model_name, "arch": cpu.arch, "num_cores": cpu.num_cores,
+                        "features": [name for flag, name in FEATURES.items() if cpu.has(flag)],
+                        "summary": cpu.summary()},
+                "torch": torch.__version__, "block_size": self.info.block_size, "num_blocks": self.info.num_blocks,
+                "max_model_len": self.info.max_model_len,
+                "kv_bytes_per_token": self.kv_layout.bytes_per_block // self.info.block_size}
+
+    def _open_step_trace(self) -> StepTrace:
+        assert self.config.step_trace_dir is not None
+        header = {**self.cost_description(), "max_num_batched_tokens": self.info.max_num_batched_tokens}
         return StepTrace.in_dir(self.config.step_trace_dir, header)
 
     def _join_expert_parallel(self, model_dir: Path) -> ExpertParallelGroup | None:

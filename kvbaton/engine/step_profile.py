@@ -45,7 +45,6 @@ from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.step_trace import PROFILE_FORMAT
 from kvbaton.models.registry import DEFAULT_MODEL
-from kvbaton.platform.cpu import FEATURES, detect_cpu
 
 VISIT_STEPS = 2  # a warm-up step, then the timed one
 
@@ -239,21 +238,11 @@ def _describe(p: ProfilePoint) -> str:
 
 
 def profile_report(engine: LLMEngine, samples: list[StepSample], fit: ProfileFit, wall_s: float) -> dict[str, Any]:
-    cpu = detect_cpu()
-    model = engine.model_dir.name
-    label = f"{model}, {str(engine.core.dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+    description = engine.core.cost_description()
+    label = f"{description['model']}, {description['dtype']}, {description['threads']} threads"
     return {
-        "format": PROFILE_FORMAT, "model": model, "model_path": str(engine.model_dir),
-        "dtype": str(engine.core.dtype).removeprefix("torch."),
-        "kv_cache_dtype": engine.core.kv_layout.dtype, "threads": torch.get_num_threads(),
-        "kernels": engine.config.kernels, "compute_path": engine.core.compute_plan.summary(),
-        "cpu": {"model_name": cpu.model_name, "arch": cpu.arch, "num_cores": cpu.num_cores,
-                "features": [name for flag, name in FEATURES.items() if cpu.has(flag)], "summary": cpu.summary()},
-        "torch": torch.__version__, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "profile_seconds": round(wall_s, 1), "block_size": engine.info.block_size,
-        # the profiled engine's pool, a default for simulated instances of this machine
-        "num_blocks": engine.info.num_blocks, "max_model_len": engine.info.max_model_len,
-        "kv_bytes_per_token": engine.core.kv_layout.bytes_per_block // engine.info.block_size,
+        "format": PROFILE_FORMAT, **description,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "profile_seconds": round(wall_s, 1),
         "samples": [s.to_dict() for s in samples],
         "latency_model": fit.fit([(s.shape, s.seconds) for s in samples], label),
     }

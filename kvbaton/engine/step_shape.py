@@ -37,6 +37,10 @@ class StepShape:
     def is_empty(self) -> bool:
         return self.num_tokens == 0
 
+    @property
+    def kind(self) -> str:
+        return "mixed" if self.prefill_tokens and self.decode_seqs else "prefill" if self.prefill_tokens else "decode"
+
     @classmethod
     def of(cls, scheduled: Iterable[ScheduledRequest]) -> StepShape:
         prefill_tokens = prefill_seqs = prefill_attended = decode_seqs = decode_context = 0

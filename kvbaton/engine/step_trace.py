@@ -57,10 +57,6 @@ class StepTrace:
         """This process's trace in `directory` (one file per process: a pool's workers never share one)."""
         return cls(Path(directory) / f"steps-{os.getpid()}.jsonl", header, max_steps)
 
-    @property
-    def active(self) -> bool:
-        return self._file is not None
-
     def record(self, shape: StepShape, seconds: float) -> None:
         if self._file is None or shape.is_empty:
             return
@@ -95,9 +91,4 @@ class StepTrace:
 
     def _off(self, exc: BaseException) -> None:
         logger.warning("step trace %s: %s; tracing is off for this engine (its steps go on)", self.path, exc)
-        file, self._file = self._file, None
-        if file is not None:
-            try:
-                file.close()
-            except OSError:
-                pass
+        self.close()

@@ -36,7 +36,7 @@ from kvbaton.sim.profiled import ProfiledLatency, ProfileError, ProfileSample
 MAX_SAMPLES = 1500  # the fit tries ~100 forms x 5 folds: seconds at this size
 # What must agree across the files fitted together: one engine configuration's steps.
 SAME_ENGINE = ("model", "dtype", "kv_cache_dtype", "threads", "kernels", "compute_path")
-SHAPE_FIELDS = ("prefill_tokens", "prefill_seqs", "prefill_attended", "decode_seqs", "decode_context")
+SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))
 
 
 @dataclass(frozen=True)
@@ -47,10 +47,6 @@ class TracedSteps:
     steps: list[ProfileSample]
     files: tuple[str, ...]
     lines_skipped: int  # lines that were not a step (a worker killed mid-line leaves one)
-
-
-def step_kind(shape: StepShape) -> str:
-    return "mixed" if shape.prefill_tokens and shape.decode_seqs else "prefill" if shape.prefill_tokens else "decode"
 
 
 def trace_files(paths: Sequence[str | Path]) -> list[Path]:
@@ -154,7 +150,7 @@ class KindComparison:
 def compare(steps: Sequence[ProfileSample], model: ProfiledLatency) -> list[KindComparison]:
     ratios: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for s in steps:
-        ratios[step_kind(s.shape)].append((s.seconds, model.step_seconds(s.shape)))
+        ratios[s.shape.kind].append((s.seconds, model.step_seconds(s.shape)))
     out = []
     for kind in ("decode", "prefill", "mixed"):
         pairs = ratios.get(kind)
@@ -178,6 +174,6 @@ def fit_steps(traced: TracedSteps) -> dict[str, Any]:
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "source": {"step_traces": list(traced.files), "steps": len(traced.steps),
                        "lines_skipped": traced.lines_skipped, "distinct_shapes_fitted": len(samples)},
-            "samples": [{"kind": step_kind(s.shape), "shape": dataclasses.asdict(s.shape), "seconds": s.seconds,
+            "samples": [{"kind": s.shape.kind, "shape": dataclasses.asdict(s.shape), "seconds": s.seconds,
                          "steps": n} for s, n in samples],
             "latency_model": model.to_dict()}
