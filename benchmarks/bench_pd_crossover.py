@@ -11,9 +11,10 @@ Two set-ups of `kvbaton serve` (default model, bf16), each given this machine's 
 Each cell of the grid is one `kvbaton bench serve --dataset mixed` run (short prompts 64 tokens, 64 output
 tokens, --ignore-eos, the cell's share of long prompts at the cell's length, at --rate req/s), the same seed
 for both set-ups. Its recorded trace is then replayed through `kvbaton sim` with this machine's step
-profiles, once with the engines alone (the simulator's default) and once with the frontend's costs calibrated
-on a load of its own. Reported per cell: TPOT p99 of pd / single (below 1: disaggregation wins), measured and
-simulated, and per share the crossover length (the shortest long prompt from which pd wins).
+profiles, once with the engines alone (the simulator's default) and once with each set-up's calibration
+(`kvbaton sim calibrate` on a load of its own, none of the grid's: served steps per role, dispatch delay).
+Reported per cell: TPOT p99 of pd / single (below 1: disaggregation wins), measured and simulated, and per
+share the crossover length (the shortest long prompt from which pd wins).
 
 Writes benchmarks/results/pd-crossover-<date>.json, pd-crossover-<cpu kind>.md and .png.
 """
@@ -78,7 +79,7 @@ def crossover(ratios: dict[int, float | None]) -> int | None:
 # Where each ratio comes from: the measurement, the simulator as `kvbaton sim run` is by default (the engines
 # alone, step profiles only), and the simulator with the frontend's costs of `kvbaton sim calibrate`.
 SOURCES = {"measured": "", "simulated": "sim_", "calibrated": "simhost_"}
-TITLES = {"measured": "measured", "simulated": "simulated (engines)", "calibrated": "simulated + frontend"}
+TITLES = {"measured": "measured", "simulated": "simulated (engines)", "calibrated": "simulated, calibrated"}
 
 
 def score(doc: dict, lengths: list[int], shares: list[float]) -> None:
@@ -99,13 +100,13 @@ def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path)
              f"{doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per cell at {doc['rate']} req/s; wall {doc['wall_s']:.0f} s.", "",
              "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads): measured | simulated "
-             "with the engines alone (`kvbaton sim run`'s default: the step profiles) | simulated with the frontend's "
-             "costs calibrated on a separate load (" + "; ".join(f"{t}-thread workers {h}" for t, h in
-                                                              doc["host"].items())
-             + "). The simulator replays each measured cell's trace. Below 1: disaggregation wins. Crossover: the "
+             "with the engines alone (`kvbaton sim run`'s default: the step profiles) | simulated with each set-up's "
+             "calibration, measured on a load of its own (random 256±50% tokens in, 64 out, 1 req/s). The simulator "
+             "replays each measured cell's trace (5 seeds pooled). Below 1: disaggregation wins. Crossover: the "
              "shortest long-prompt length from which 1P+1D stays better.", "",
+             *[f"- {name}: {h}" for name, h in doc["host"].items()], "",
              "| long share \\ length | " + " | ".join(str(n) for n in lengths)
-             + " | crossover measured | simulated (engines) | simulated + frontend |",
+             + " | crossover measured | simulated (engines) | simulated, calibrated |",
              "|---|" + "---|" * (len(lengths) + 3)]
     for share in shares:
         cells = [doc["cells"][f"{n}x{share}"] for n in lengths]
@@ -113,7 +114,7 @@ def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path)
         triples = [" \\| ".join(_f(c.get(f"{source}_ratio")) for source in SOURCES) for c in cells]
         lines.append(f"| {share:.0%} | " + " | ".join(triples) + " | "
                      + " | ".join(_cross(cross[source], lengths) for source in SOURCES) + " |")
-    lines += ["", "Per cell, TPOT p99 ms (pd / single): measured, simulated (engines), simulated + frontend:", ""]
+    lines += ["", "Per cell, TPOT p99 ms (pd / single): measured, simulated (engines), simulated (calibrated):", ""]
     for key, c in doc["cells"].items():
         lines.append(f"- {key}: " + ", ".join(f"{_f(c.get(f'{prefix}pd_tpot_p99'))} / "
                                               f"{_f(c.get(f'{prefix}single_tpot_p99'))}"
@@ -161,7 +162,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=30)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR,
-                    help="this CPU kind's sim-profile-*.json, sim-host-*.json (else measured)")
+                    help="this CPU kind's sim-profile-*.json, sim-host-*.json (else measured or calibrated)")
     ap.add_argument("--replay", type=Path, nargs="+", default=None, metavar="RUN_JSON",
                     help="simulate previous runs' measured cells (pd-crossover-<date>.json; several: one grid, e.g. "
                          "an extension to shorter prompts) again, e.g. with a refitted step model; measures nothing")
@@ -185,13 +186,13 @@ def main() -> None:
     started = datetime.now()
     run_stamp = stamp(started)
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in (1, 2)}
-    hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
-             for t in (1, 2)}
+    hosts = {name: ensure_host_overhead(d, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[d.threads],
+                                        seed=seed - 1 - i) for i, (name, d) in enumerate(SETUPS.items())}
     doc: dict = {"started": ", ".join(r["started"] for r in runs) or started.isoformat(timespec="seconds"),
                  "simulated": started.isoformat(timespec="seconds"),
                  "command": command_line("bench_pd_crossover.py", sys.argv[1:]), "commit": kvbaton_commit(),
                  "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": ", ".join(str(r["seed"]) for r in runs) or seed,
-                 "host": {str(t): h.describe() for t, h in hosts.items()}, "rate": args.rate,
+                 "host": {name: h.describe() for name, h in hosts.items()}, "rate": args.rate,
                  "num_prompts": args.num_prompts,
                  "cells": {f"{n}x{s}": {} for n, s in cells}, "crossover": {}}
     t0 = time.monotonic()
@@ -202,7 +203,7 @@ def main() -> None:
                   for n, s in cells} if previous else measure_setup(name, cells, args, seed, run_stamp, model_dir)
         for key, trace in traces.items():
             measured = read_json(trace)["runs"][0]["summary"]
-            profile, host = profiles[deployment.threads], hosts[deployment.threads]
+            profile, host = profiles[deployment.threads], hosts[name]
             engines, _ = replay(deployment, trace, profile, pool, slo)
             calibrated, _ = replay(deployment, trace, profile, pool, slo, host)
             doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],

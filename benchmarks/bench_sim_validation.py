@@ -1,20 +1,21 @@
 """Is the simulator right? Measured vs simulated TTFT and TPOT (p50, p99) on this machine, load by load.
 
-    .venv/bin/python benchmarks/bench_sim_validation.py        # profiles, calibration, 6 loads (~30 min, 2 cores)
+    .venv/bin/python benchmarks/bench_sim_validation.py        # profiles, calibrations, 6 loads (~35 min, 2 cores)
     .venv/bin/python benchmarks/bench_sim_validation.py --profiles-from benchmarks/results  # reuse profiles
     .venv/bin/python benchmarks/bench_sim_validation.py --loads pd-mixed --num-prompts 20
 
-First, per worker thread count, the step-latency model (`kvbaton sim profile`, the engine alone) and the
-frontend's costs (`kvbaton sim calibrate`: a dispatch delay and a CPU price per streamed token, fitted to the
-TTFT and TPOT medians of one calibration load that is none of the loads below; kvbaton.sim.host). Then for
-each load: start `kvbaton serve` (default model, bf16, nothing else on the machine), drive it with
-`kvbaton bench serve` (fresh seed, --ignore-eos, --result-json), stop it; replay the recorded run (the same
-send times and lengths) through the simulator, with the frontend's costs and without them (the engines
-alone). Targets (Vidur reports < 9%): within 10% at p50 and 15% at p99. The peer here is reality itself:
-every ratio is simulated / measured.
+First, per worker thread count, the step-latency model (`kvbaton sim profile`, the engine alone); per
+deployment, what serving adds (`kvbaton sim calibrate`, kvbaton.sim.host): served steps over profiled ones,
+per role, measured from the step trace of one calibration load that is none of the loads below, and the
+dispatch delay fitted to that load's TTFT median. Then for each load: start `kvbaton serve` (default model,
+bf16, nothing else on the machine), drive it with `kvbaton bench serve` (fresh seed, --ignore-eos,
+--result-json), stop it; replay the recorded run (the same send times and lengths) through the simulator
+(5 seeds pooled), calibrated and without calibration (the engines alone). Targets (Vidur reports < 9%):
+within 10% at p50 and 15% at p99. The peer here is reality itself: every ratio is simulated / measured.
 
-Writes benchmarks/results/sim-validation-<date>.json and sim-validation-<cpu kind>.md (profiles and frontend
-costs are kept per CPU kind too: sim-profile-<kind>-t{1,2}.json, sim-host-<kind>-t{1,2}.json).
+Writes benchmarks/results/sim-validation-<date>.json and sim-validation-<cpu kind>.md (profiles and
+calibrations are kept per CPU kind too: sim-profile-<kind>-t{1,2}.json, sim-host-<kind>-<deployment>.json
+with the calibration run and its step traces beside it).
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def write_report(doc: dict, path: Path) -> None:
              f"{doc['commit']}, seed {doc['seed']}, "
              f"{doc['num_prompts']} requests per load; wall {doc['wall_s']:.0f} s.", "",
              "Each load was measured against a real `kvbaton serve`, then its recorded trace (send times, lengths) "
-             "was replayed through `kvbaton sim` with the step-latency model profiled on this machine and the "
-             "frontend's costs calibrated on a separate load (" + "; ".join(
-                 f"{t}-thread workers: {h}" for t, h in doc["host"].items()) + "). "
-             f"Targets: |error| <= {TARGETS['p50']:.0%} at p50, <= {TARGETS['p99']:.0%} at p99. In brackets: the "
-             "error of the engines alone (no frontend costs).", "",
+             "was replayed through `kvbaton sim` (5 seeds pooled) with the step-latency model profiled on this "
+             "machine and its deployment's calibration, measured on a load of its own (random 256±50% tokens in, "
+             "64 out, 1 req/s): served steps over profiled ones per role, and the dispatch delay. Targets: |error| "
+             f"<= {TARGETS['p50']:.0%} at p50, <= {TARGETS['p99']:.0%} at p99. In brackets: the error of the "
+             "engines alone (`kvbaton sim run` without --host-overhead).", "",
+             *[f"- {d}: {h}" for d, h in doc["host"].items()], "",
              "| load | metric | measured p50 | sim p50 | error (engines only) | measured p99 | sim p99 | "
              "error (engines only) |",
              "|---|---|---|---|---|---|---|---|"]
@@ -105,10 +107,11 @@ def _pct(err: float | None, p: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", default=",".join(load.name for load in LOADS))
-    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--num-prompts", type=int, default=60)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=None,
-                    help="reuse this CPU kind's sim-profile-*.json and sim-host-*.json from here")
+                    help="reuse this CPU kind's sim-profile-*.json and sim-host-*.json from here (a sim-host-*.json "
+                         "missing where its calibration run and step traces are: calibrated again on those)")
     ap.add_argument("--replay", type=Path, default=None, metavar="RUN_JSON",
                     help="simulate a previous run's measured traces (sim-validation-<date>.json) again, e.g. with a "
                          "refitted step model; measures nothing")
@@ -125,15 +128,16 @@ def main() -> None:
     chosen = [load for load in LOADS if load.name in args.loads.split(",")]
     threads = {load.deployment.threads for load in chosen}
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in threads}
-    hosts = {t: ensure_host_overhead(t, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[t], seed=seed - t)
-             for t in threads}
+    deployments = {load.deployment.label: load.deployment for load in chosen}
+    hosts = {label: ensure_host_overhead(d, RESULTS_DIR, model_dir, args.profiles_from, profile=profiles[d.threads],
+                                         seed=seed - 1 - i) for i, (label, d) in enumerate(deployments.items())}
     doc = {"started": previous["started"] if previous else started.isoformat(timespec="seconds"),
            "simulated": started.isoformat(timespec="seconds"),
            "command": command_line("bench_sim_validation.py", sys.argv[1:]),
            "commit": kvbaton_commit(), "cpu": f"{cpu_name()} ({cpu_kind()})", "seed": seed,
            "num_prompts": previous["num_prompts"] if previous else args.num_prompts,
            "profiles": {str(t): str(p) for t, p in profiles.items()},
-           "host": {str(t): h.describe() for t, h in hosts.items()}, "loads": {}}
+           "host": {label: h.describe() for label, h in hosts.items()}, "loads": {}}
     t0 = time.monotonic()
     for i, load in enumerate(chosen):
         print(f"== {load.name}: kvbaton serve {' '.join(load.deployment.serve_args())}", flush=True)
@@ -147,10 +151,10 @@ def main() -> None:
             doc["loads"][load.name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
         measured = read_json(trace)["runs"][0]["summary"]
-        t = load.deployment.threads
-        summary, run = replay(load.deployment, trace, profiles[t], pool, SLO(), hosts[t])
-        engines_only, _ = replay(load.deployment, trace, profiles[t], pool, SLO())
-        row = compare(measured, summary, engines_only, run.wall_s)
+        profile, host = profiles[load.deployment.threads], hosts[load.deployment.label]
+        summary, wall_s = replay(load.deployment, trace, profile, pool, SLO(), host)
+        engines_only, _ = replay(load.deployment, trace, profile, pool, SLO())
+        row = compare(measured, summary, engines_only, wall_s)
         doc["loads"][load.name] = {**row, "trace": trace.name}
         print("   " + ", ".join(f"{k} {v['measured']:.1f} vs {v['simulated']:.1f}" for k, v in row.items()
                                 if isinstance(v, dict)), flush=True)

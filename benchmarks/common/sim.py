@@ -1,30 +1,34 @@
 """Shared by the simulator's benchmarks: the engine's pool as `kvbaton serve` sizes it, this machine's step
-profiles and frontend costs, one measured `kvbaton bench serve` run, and its replay through the simulator."""
+profiles, each deployment's calibration (what serving adds: `kvbaton sim calibrate` on a load of its own), one
+measured `kvbaton bench serve` run, and its replay through the simulator."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import fmean
 
 from common.machine import cpu_kind
+from common.report import read_json
 from common.servers import Server, free_port, kvbaton_server
 from kvbaton.bench.metrics import SLO, Summary, summarize
+from kvbaton.bench.records import RunResult
 from kvbaton.config import SchedulerConfig
 from kvbaton.sim.calibrate import calibrate
 from kvbaton.sim.host import HostOverhead
 from kvbaton.sim.links import link_preset
 from kvbaton.sim.profiled import ProfiledLatency
-from kvbaton.sim.simulator import SimRun, simulate
+from kvbaton.sim.served_steps import read_workers, served_steps
+from kvbaton.sim.simulator import simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec
 from kvbaton.sim.workload import trace_medians, trace_requests
 
 MAX_MODEL_LEN = 4096
 KV_GB = 2.0
 COMMON_SERVE_ARGS = ["--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-gb", str(KV_GB)]
-HOST_CORES = len(os.sched_getaffinity(0))  # what the workers and the frontend share
 RANDOM = ["--dataset", "random", "--input-len", "256", "--output-len", "64", "--range-ratio", "0.5"]
 
 
@@ -38,6 +42,13 @@ class Deployment:
     max_num_batched_tokens: int = 2048
     local_prefill_threshold: int = 64
     link: str = "host-shm"
+
+    @property
+    def label(self) -> str:
+        """A name for its calibration files."""
+        shape = f"{self.num_prefill}p{self.num_decode}d-l{self.local_prefill_threshold}" if self.num_prefill else \
+            "colocated" if self.num_decode == 1 else f"{self.num_decode}replicas"
+        return f"{shape}-t{self.threads}-b{self.max_num_batched_tokens}"
 
     def serve_args(self) -> list[str]:
         """The `kvbaton serve` flags of this set-up (the link: kvbaton's shm transport)."""
@@ -73,11 +84,14 @@ def ensure_profile(threads: int, out_dir: Path, model_dir: str, reuse: Path | No
     return path
 
 
-def measure(deployment: Deployment, bench_args: list[str], *, n: int, seed: int, out: Path, model_dir: str) -> Path:
+def measure(deployment: Deployment, bench_args: list[str], *, n: int, seed: int, out: Path, model_dir: str,
+            step_trace: Path | None = None) -> Path:
     """One `kvbaton bench serve` run (`n` requests, --ignore-eos, 2 warm-ups) against a fresh `kvbaton serve` of
-    `deployment`; its result JSON (the trace to replay) is `out`, the server's log beside it."""
+    `deployment` (its workers' steps traced into `step_trace`, if given); its result JSON (the trace to replay)
+    is `out`, the server's log beside it."""
+    traced = ["--step-trace", str(step_trace)] if step_trace is not None else []
     spec = kvbaton_server(name=f"kvbaton serve ({out.stem})", port=free_port(),
-                          serve_args=[*COMMON_SERVE_ARGS, *deployment.serve_args()], env=dict(os.environ),
+                          serve_args=[*COMMON_SERVE_ARGS, *deployment.serve_args(), *traced], env=dict(os.environ),
                           timeout_s=300, log_path=out.with_suffix(".log"), health_path="/health")
     with Server(spec) as server:
         subprocess.run([sys.executable, "-m", "kvbaton.cli", "bench", "serve", "--base-url", server.base_url,
@@ -87,47 +101,59 @@ def measure(deployment: Deployment, bench_args: list[str], *, n: int, seed: int,
     return out
 
 
-# The calibration loads: not among any benchmark's measured loads, so what is validated was not fitted. Two
-# workers of 1 thread share the cores with the frontend as 1P+1D and two replicas do.
-CALIBRATION = {2: (Deployment(threads=2), [*RANDOM, "--request-rate", "1"]),
-               1: (Deployment(threads=1, num_decode=2), [*RANDOM, "--request-rate", "1"])}
+# Every deployment is calibrated on this load, which is none of any benchmark's measured loads: what is validated
+# was not fitted.
+CALIBRATION_LOAD = [*RANDOM, "--request-rate", "1"]
+CALIBRATION_PROMPTS = 60
 
 
-def ensure_host_overhead(threads: int, out_dir: Path, model_dir: str, reuse: Path | None, *, profile: Path,
-                         seed: int, n: int = 40) -> HostOverhead:
-    """`sim-host-<cpu kind>-t{threads}.json` from `reuse` if it is there, else fitted now to the calibration
-    load: its trace from `reuse` if that is there, else measured now."""
-    name = f"sim-host-{cpu_kind()}-t{threads}"
+def ensure_host_overhead(deployment: Deployment, out_dir: Path, model_dir: str, reuse: Path | None, *,
+                         profile: Path, seed: int) -> HostOverhead:
+    """`sim-host-<cpu kind>-<deployment>.json` from `reuse` if it is there, else calibrated now on the calibration
+    load: its measured run and step traces from `reuse` if they are there (a new step profile), else measured now."""
+    name = f"sim-host-{cpu_kind()}-{deployment.label}"
     if reuse is not None and (reuse / f"{name}.json").exists():
         return HostOverhead.load(reuse / f"{name}.json")
-    deployment, bench_args = CALIBRATION[threads]
-    trace = out_dir / f"{name}-trace.json"
-    if reuse is not None and (reuse / trace.name).exists():  # measured before: fitted again (a new step model)
-        trace = reuse / trace.name
-        print(f"== calibrating the frontend's costs, {threads}-thread workers, on {trace}", flush=True)
+    trace, steps = out_dir / f"{name}-trace.json", out_dir / f"{name}-steps"
+    if reuse is not None and (reuse / trace.name).exists() and (reuse / steps.name).is_dir():
+        trace, steps = reuse / trace.name, reuse / steps.name
+        print(f"== calibrating {deployment.label} on {trace}", flush=True)
     else:
-        print(f"== calibrating the frontend's costs, {threads}-thread workers: {' '.join(bench_args)}", flush=True)
-        measure(deployment, bench_args, n=n, seed=seed, out=trace, model_dir=model_dir)
+        print(f"== calibrating {deployment.label}: {' '.join(CALIBRATION_LOAD)}", flush=True)
+        for old in steps.glob("steps-*.jsonl"):  # one run's workers only
+            old.unlink()
+        measure(deployment, CALIBRATION_LOAD, n=CALIBRATION_PROMPTS, seed=seed, out=trace, model_dir=model_dir,
+                step_trace=steps)
     ttft_ms, tpot_ms = trace_medians(trace)
     pool = kv_pool(model_dir, KV_GB)
-    fit = calibrate(lambda host: replay(deployment, trace, profile, pool, SLO(), host)[0],
-                    measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms, host_cores=HOST_CORES,
-                    label=f"{trace.name}: {' '.join(deployment.serve_args())}, {' '.join(bench_args)}")
+    roles = served_steps(read_workers([steps]), ProfiledLatency.load(profile), read_json(profile))
+    fit = calibrate(lambda host: replay(deployment, trace, profile, pool, SLO(), host)[0], roles=roles,
+                    measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+                    label=f"{trace.name}: {' '.join(deployment.serve_args())}, {' '.join(CALIBRATION_LOAD)}")
     fit.host.save(out_dir / f"{name}.json")
     print(f"   {fit.host.describe()} (TTFT p50 {ttft_ms:.1f} ms, TPOT p50 {tpot_ms:.1f} ms measured; engines alone "
-          f"{fit.uncalibrated_ttft_p50_ms:.1f} / {fit.uncalibrated_tpot_p50_ms:.1f})", flush=True)
+          f"{fit.engines_ttft_p50_ms:.1f} / {fit.engines_tpot_p50_ms:.1f}; calibrated {fit.simulated_ttft_p50_ms:.1f}"
+          f" / {fit.simulated_tpot_p50_ms:.1f})", flush=True)
     return fit.host
 
 
+SEEDS = 5  # replays per measured run, pooled: the simulator's own spread of served steps averages out
+
+
 def replay(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, int], slo: SLO,
-           host: HostOverhead | None = None) -> tuple[Summary, SimRun]:
-    """The measured run `trace` (send times, lengths) through the simulated `deployment` (and frontend)."""
+           host: HostOverhead | None = None, seeds: int = SEEDS) -> tuple[Summary, float]:
+    """The measured run `trace` (send times, lengths) through the simulated `deployment` (and what serving adds),
+    `seeds` times with different draws of served steps, every request of every replay summarized together;
+    returns the summary and the simulated seconds per replay's wall time."""
     num_blocks, kv_bytes = pool
     instance = InstanceSpec(latency=ProfiledLatency.load(profile), num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
-                            kv_bytes_per_token=kv_bytes, cpu_threads=deployment.threads,
+                            kv_bytes_per_token=kv_bytes,
                             scheduler=SchedulerConfig(max_num_batched_tokens=deployment.max_num_batched_tokens))
     cluster = ClusterSpec(decode=instance, num_decode=deployment.num_decode, num_prefill=deployment.num_prefill,
-                          link=link_preset(deployment.link), local_prefill_threshold=deployment.local_prefill_threshold)
+                          link=link_preset(deployment.link), local_prefill_threshold=deployment.local_prefill_threshold,
+                          host=host or HostOverhead())
     requests, rate = trace_requests(trace)
-    run = simulate(replace(cluster, host=host or HostOverhead()), requests, request_rate=rate)
-    return summarize(run.result, slo), run
+    runs = [simulate(cluster, requests, request_rate=rate, seed=seed) for seed in range(seeds)]
+    pooled = RunResult(rate, None, fmean(r.result.duration_s for r in runs), sum(r.result.num_planned for r in runs),
+                       tuple(rec for r in runs for rec in r.result.records))
+    return summarize(pooled, slo), fmean(r.wall_s for r in runs)

@@ -72,6 +72,14 @@ class KVTransferConfig:
     receive: bool = False
 
 
+def trace_role(kv_transfer: KVTransferConfig | None) -> str:
+    """What a step trace calls this engine's part in a deployment: its served steps differ by it (a prefill worker
+    runs long prompts while its decode peer computes beside it)."""
+    if kv_transfer is None or kv_transfer.send == kv_transfer.receive:
+        return "both"
+    return "prefill" if kv_transfer.send else "decode"
+
+
 def _grammar_compiler(model_dir: Path, info: EngineInfo, runner: ModelRunner) -> GrammarCompiler:
     """The grammar compiler for this model's tokenizer, and the runner's matchers over it (built with the
     first structured request, or at a served worker's start)."""
@@ -150,7 +158,7 @@ class EngineCore:
             from kvbaton.engine.compile import compile_model
 
             compile_model(self.runner)
-        self.step_trace = self._open_step_trace() if config.step_trace_dir else None
+        self.step_trace = self._open_step_trace(kv_transfer) if config.step_trace_dir else None
 
     def cost_description(self) -> dict[str, object]:
         """What a step's cost depends on besides its shape: the head of a step profile and of a step trace."""
@@ -166,9 +174,10 @@ class EngineCore:
                 "max_model_len": self.info.max_model_len,
                 "kv_bytes_per_token": self.kv_layout.bytes_per_block // self.info.block_size}
 
-    def _open_step_trace(self) -> StepTrace:
+    def _open_step_trace(self, kv_transfer: KVTransferConfig | None) -> StepTrace:
         assert self.config.step_trace_dir is not None
-        header = {**self.cost_description(), "max_num_batched_tokens": self.info.max_num_batched_tokens}
+        header = {**self.cost_description(), "role": trace_role(kv_transfer),
+                  "max_num_batched_tokens": self.info.max_num_batched_tokens}
         return StepTrace.in_dir(self.config.step_trace_dir, header)
 
     def _join_expert_parallel(self, model_dir: Path) -> ExpertParallelGroup | None:

@@ -2,7 +2,7 @@
 
 `--step-trace DIR` (serve, generate) makes every engine append to `DIR/steps-<pid>.jsonl`:
 
-    {"format": "kvbaton-step-trace/1", "model": ..., "dtype": ..., "threads": ..., ...}   header: the engine
+    {"format": "kvbaton-step-trace/1", "model": ..., "threads": ..., "role": "both", ...}   header: the engine
     {"t": 1796198400.12, "seconds": 0.0213, "shape": {"prefill_tokens": 0, ..., "decode_seqs": 5, ...}}
 
 Why: `kvbaton sim profile` times crafted steps on an engine alone; a served step shares the machine with

@@ -30,17 +30,17 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
                      help="replay a `kvbaton bench serve --result-json` run (send times and lengths) instead")
     add_load_args(run.add_argument_group("load (as kvbaton bench serve)"))
     add_output_args(run.add_argument_group("SLO and output"))
-    calibrate = sub.add_parser("calibrate", help="fit the frontend's costs to a measured run (for --host-overhead)",
-                               description="Replay a measured `kvbaton bench serve --result-json` run and fit the "
-                                           "serving stack's costs outside the engine (a dispatch delay, a CPU price "
-                                           "per streamed token) to its TTFT and TPOT medians.")
+    calibrate = sub.add_parser("calibrate", help="measure what serving adds to the engines (for --host-overhead)",
+                               description="From one measured `kvbaton bench serve --result-json` run against a "
+                                           "server started with --step-trace: each role's served steps over the "
+                                           "profile's prediction, and the dispatch delay that brings the run's "
+                                           "replay to its TTFT median.")
     _add_deployment_args(calibrate.add_argument_group("deployment (as the measured run's server)"))
     _add_instance_args(calibrate.add_argument_group("each instance (worker)"))
     calibrate.add_argument("--trace", required=True, metavar="RESULT_JSON", help="the measured run")
+    calibrate.add_argument("--step-trace", required=True, nargs="+", metavar="TRACE",
+                           help="its server's `--step-trace` directory (or steps-*.jsonl files)")
     calibrate.add_argument("--out", required=True, metavar="PATH", help="where the host-overhead JSON goes")
-    calibrate.add_argument("--host-cores", type=int, default=0,
-                           help="the cores the workers share with the frontend: the per-token price is paid only "
-                                "while busy workers' --cpu-threads fill them (default 0: always)")
     refit = sub.add_parser("refit", help="fit a profile's measured steps again (today's model forms), no measuring")
     refit.add_argument("profile", metavar="PROFILE_JSON", help="a `kvbaton sim profile` file")
     refit.add_argument("--out", default=None, metavar="PATH", help="write here instead of over PROFILE_JSON")
@@ -88,7 +88,8 @@ def _add_deployment_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--local-prefill-threshold", type=int, default=64)
     g.add_argument("--max-waiting-requests", type=int, default=256)
     g.add_argument("--host-overhead", default=None, metavar="JSON",
-                   help="the frontend's costs, from `kvbaton sim calibrate` (default: engines alone)")
+                   help="what serving adds (dispatch delay, served steps), from `kvbaton sim calibrate` (default: "
+                        "the engines alone)")
 
 
 def _add_instance_args(g: argparse._ArgumentGroup) -> None:
@@ -107,8 +108,6 @@ def _add_instance_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--cpu-threads", type=int, default=0,
-                   help="threads each worker computes with on cores shared with the frontend (--host-overhead)")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,66 +1,143 @@
-"""What the serving stack around the engines costs: the frontend's path to a worker, and its CPU per token.
+"""What serving adds to the engines: the frontend's path to a worker, and how served steps differ from profiled ones.
 
-A step profile times the engine alone. A served request also crosses the HTTP frontend and the
-router (tokenize, admit, route, IPC to the worker, the first chunk streamed back), and every token
-it generates is detokenized, framed and streamed. On a GPU cluster that work runs on host cores the
-GPUs do not need, so it shows only as a fixed delay before the first token. On a CPU host it runs
-on the very cores the workers compute on, so each streamed token's frontend CPU also lengthens the
-step that produced it; the more tokens per second, the larger the share (the simulator's TPOT read
-26% low at 1.5 req/s on a 2-core machine without it). Only while the busy workers' threads fill every
-core, though: a 1P+1D pair of 1-thread workers on 2 cores leaves the frontend a core whenever the
-prefill worker is idle, and its decode steps then pay nothing (`host_cores`).
+A step profile (`kvbaton sim profile`) times crafted steps on an engine that has the machine to itself.
+A served request also crosses the HTTP frontend and the router (tokenize, admit, route, IPC to the
+worker, the first chunk streamed back): a fixed `dispatch_s` before the first token. And a served step
+is not a crafted one: the frontend, the benchmark client, a second worker and KV transfers run beside it,
+on a CPU host on the very cores it computes on, and its prompt is one the engine has not seen. Measured
+on a 2-core Xeon (AMX), served steps with prompt tokens ran 1.1-1.3x their profiled time while decode
+steps ran 0.9-1.05x, and those ratios held from 0.5 to 3 req/s; so they are measured, per role, from a
+served run's step trace (`ServedSteps`), and a simulated step draws its ratio from them.
 
-Neither figure comes from first principles: `kvbaton sim calibrate` fits both to one measured run
-(`kvbaton.sim.calibrate`), and validation then uses other loads.
+    served step = profiled seconds x ratio (drawn from the role's measured ratios of its kind) + gap_s
+
+Nothing here comes from first principles: `kvbaton sim calibrate` measures the ratios from a step trace
+(`kvbaton serve --step-trace`) and fits `dispatch_s` to that run's TTFT median (kvbaton.sim.calibrate);
+validation then uses other loads.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvbaton.config import ConfigError
+from kvbaton.sim.latency import StepShape
+
+ROLES = ("both", "prefill", "decode")  # a trace's roles (kvbaton.engine.core.trace_role)
+MAX_RATIOS = 64  # quantiles kept of each kind's measured ratios: the distribution's shape, not every step
+
+
+def quantiles(values: Sequence[float], n: int = MAX_RATIOS) -> tuple[float, ...]:
+    """`values` sorted, thinned to `n` equal-mass quantiles (all of them when there are fewer)."""
+    ordered = sorted(values)
+    if len(ordered) <= n:
+        return tuple(ordered)
+    return tuple(ordered[int((i + 0.5) * len(ordered) / n)] for i in range(n))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServedSteps:
+    """How one role's served steps compare with its step profile (`kvbaton.sim.served_steps` measures it).
+
+    A step the profile prices at `p` seconds takes `p * r + gap_s`; `r` is drawn from `prompt_ratios` for a
+    step with prompt tokens, from `decode_ratios` for a decode-only one. Drawn, not averaged: served steps
+    vary, and queues grow their tails from that variance (a mean ratio put TTFT p99 10-20% low)."""
+
+    prompt_ratios: tuple[float, ...] = (1.0,)  # served / profiled seconds, equal-mass quantiles
+    decode_ratios: tuple[float, ...] = (1.0,)
+    gap_s: float = 0.0  # the worker's own loop between two steps while it has work (receive, send outputs)
+    num_steps: int = 0  # how many traced steps the figures come from
+
+    def __post_init__(self) -> None:
+        ratios = (*self.prompt_ratios, *self.decode_ratios)
+        if not (self.prompt_ratios and self.decode_ratios and all(0.01 <= r <= 100.0 for r in ratios)):
+            raise ConfigError("host overhead: served/profiled step ratios must be in [0.01, 100], at least one of "
+                              "each kind")
+        if not 0.0 <= self.gap_s < 1.0 or self.num_steps < 0:
+            raise ConfigError("host overhead: the gap between steps must be in [0, 1) s")
+
+    @property
+    def is_identity(self) -> bool:
+        return self.prompt_ratios == (1.0,) and self.decode_ratios == (1.0,) and self.gap_s == 0.0
+
+    def seconds(self, profiled_s: float, shape: StepShape, rng: random.Random) -> float:
+        ratios = self.prompt_ratios if shape.prefill_tokens else self.decode_ratios
+        ratio = ratios[0] if len(ratios) == 1 else rng.choice(ratios)
+        return profiled_s * ratio + self.gap_s
+
+    def describe(self) -> str:
+        return (f"steps x{_median(self.prompt_ratios):.2f} with prompt tokens, x{_median(self.decode_ratios):.2f} "
+                f"decode-only (medians), +{self.gap_s * 1e3:.2f} ms between steps")
+
+
+IDENTITY = ServedSteps()
 
 
 @dataclass(frozen=True, kw_only=True)
 class HostOverhead:
+    """The served system around the engines: a dispatch delay, and each role's served steps."""
+
     dispatch_s: float = 0.0  # from a request's arrival to its worker's queue (and the first chunk back)
-    per_token_s: float = 0.0  # frontend CPU per streamed token, taken from the step that sampled it
-    # The cores the workers share with the frontend (0: the price is always paid). With N, a step pays it only
-    # while the busy instances' `InstanceSpec.cpu_threads` add up to N or more: no core is left idle.
-    host_cores: int = 0
-    calibrated_on: str = ""  # what run the figures were fitted to, for the reader of a report
+    roles: Mapping[str, ServedSteps] = field(default_factory=dict)  # by role: "both", "prefill", "decode"
+    calibrated_on: str = ""  # what run the figures were measured on, for the reader of a report
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.dispatch_s < 60.0 and 0.0 <= self.per_token_s < 1.0 and 0 <= self.host_cores <= 4096):
-            raise ConfigError("host overhead: dispatch must be in [0, 60) s, per-token cost in [0, 1) s and host "
-                              "cores in [0, 4096]")
+        if not 0.0 <= self.dispatch_s < 60.0:  # also refuses NaN
+            raise ConfigError("host overhead: dispatch must be in [0, 60) s")
+        unknown = sorted(set(self.roles) - set(ROLES))
+        if unknown:
+            raise ConfigError(f"host overhead: unknown role {unknown[0]!r} (roles: {', '.join(ROLES)})")
 
     @property
     def is_zero(self) -> bool:
-        return self.dispatch_s == 0.0 and self.per_token_s == 0.0
+        return self.dispatch_s == 0.0 and all(steps.is_identity for steps in self.roles.values())
 
-    def step_extra_s(self, num_sampled: int, busy_threads: int) -> float:
-        """What the frontend's work on this step's streamed tokens adds to the step, `busy_threads` being the
-        threads of every instance computing now (this one included): nothing while a core is idle."""
-        if self.host_cores and busy_threads < self.host_cores:
-            return 0.0
-        return self.per_token_s * num_sampled
+    def steps_for(self, role: str) -> ServedSteps:
+        """`role`'s served steps; a role the calibration did not see takes the colocated worker's ("both"), so a
+        colocated calibration can answer a what-if about disaggregation (less exactly)."""
+        return self.roles.get(role) or self.roles.get("both") or IDENTITY
 
     def describe(self) -> str:
-        shared = f" while {self.host_cores} cores are busy" if self.host_cores else ""
-        return f"dispatch {self.dispatch_s * 1e3:.1f} ms, {self.per_token_s * 1e3:.2f} ms per streamed token{shared}"
+        steps = "; ".join(f"{role}: {steps.describe()}" for role, steps in self.roles.items())
+        return f"dispatch {self.dispatch_s * 1e3:.1f} ms" + (f"; {steps}" if steps else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dispatch_s": self.dispatch_s, "roles": {r: asdict(s) for r, s in self.roles.items()},
+                "calibrated_on": self.calibrated_on}
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> HostOverhead:
         """A `kvbaton sim calibrate --out` file; a clear ConfigError for anything else."""
         try:
             doc = json.loads(Path(path).read_text())
-            return cls(dispatch_s=float(doc["dispatch_s"]), per_token_s=float(doc["per_token_s"]),
-                       host_cores=int(doc.get("host_cores", 0)), calibrated_on=str(doc.get("calibrated_on", "")))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            roles = {str(role): ServedSteps(prompt_ratios=_floats(s["prompt_ratios"]),
+                                            decode_ratios=_floats(s["decode_ratios"]), gap_s=float(s["gap_s"]),
+                                            num_steps=int(s.get("num_steps", 0)))
+                     for role, s in doc["roles"].items()}
+            return cls(dispatch_s=float(doc["dispatch_s"]), roles=roles,
+                       calibrated_on=str(doc.get("calibrated_on", "")))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{path}: not a host-overhead file from `kvbaton sim calibrate` ({exc})") from exc
+
+
+def _floats(values: Any) -> tuple[float, ...]:
+    if not isinstance(values, list):
+        raise TypeError("ratios must be a list")
+    floats = tuple(float(v) for v in values)
+    if not all(math.isfinite(v) for v in floats):
+        raise ValueError("ratios must be finite")
+    return floats
+
+
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]

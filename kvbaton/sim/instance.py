@@ -9,6 +9,7 @@ scheduler decides is exactly what it would decide for the real engine given the 
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from kvbaton.engine.kv_cache_manager import KVCacheManager
@@ -17,7 +18,7 @@ from kvbaton.engine.request import Request
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.scheduler import Scheduler
 from kvbaton.kv.layout import KVLayout
-from kvbaton.sim.host import HostOverhead
+from kvbaton.sim.host import IDENTITY, ServedSteps
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.spec import InstanceSpec
 
@@ -66,9 +67,11 @@ def remote_decode(reservation: Reservation, block_size: int) -> RemoteDecode:
 class SimInstance:
     """A worker's scheduler and its step clock; the simulator decides when steps start and end."""
 
-    def __init__(self, name: str, role: str, spec: InstanceSpec, host: HostOverhead | None = None) -> None:
+    def __init__(self, name: str, role: str, spec: InstanceSpec, served: ServedSteps = IDENTITY, seed: int = 0) -> None:
         self.name, self.role, self.spec = name, role, spec
-        self.host = host or HostOverhead()
+        self.served = served
+        # NOTE: one stream per instance, seeded by its name: a run is the same whatever order instances step in
+        self.rng = random.Random(f"{seed}/{name}")
         self.kv_cache = KVCacheManager(spec.num_blocks, spec.block_size, spec.enable_prefix_caching)
         self.scheduler = Scheduler(spec.scheduler, self.kv_cache, spec.max_model_len)
         self.step: StepStarted | None = None  # the step in flight, if any
@@ -114,17 +117,15 @@ class SimInstance:
 
     # ---- the step --------------------------------------------------------------------------------
 
-    def start_step(self, other_busy_threads: int = 0) -> StepStarted | None:
-        """Schedule the next batch; None (and idle) when nothing can run now. `other_busy_threads`: the threads
-        of the other instances computing now, on cores shared with the frontend (kvbaton.sim.host)."""
+    def start_step(self) -> StepStarted | None:
+        """Schedule the next batch; None (and idle) when nothing can run now. The step lasts what the latency
+        model says for its shape, as a served step of this role runs (kvbaton.sim.host)."""
         assert self.step is None, f"{self.name}: a step is already running"
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return None
         shape = StepShape.of(sched.scheduled)
-        num_sampled = sum(1 for item in sched.scheduled if item.sample)
-        busy_threads = other_busy_threads + self.spec.cpu_threads
-        seconds = self.spec.latency.step_seconds(shape) + self.host.step_extra_s(num_sampled, busy_threads)
+        seconds = self.served.seconds(self.spec.latency.step_seconds(shape), shape, self.rng)
         self.step = StepStarted(sched, shape, seconds)
         return self.step
 

@@ -317,10 +317,21 @@ def _solve(samples: Sequence[ProfileSample], form: Form) -> np.ndarray:
     fit off every other shape."""
     seconds = np.array([s.seconds for s in samples])
     a = np.array([_features(s.shape, form) for s in samples]) / seconds[:, None]  # rows: relative error
+    c = _irls(a)
+    if c[0] + c[1] <= 0:
+        # NOTE: steps that all batch the same number of sequences (a short served trace) let the per-sequence prices
+        # stand in for the fixed cost, and a one-token step would cost nothing: fit again without them.
+        per_seq = [len(_features(samples[0].shape, form)) - k for k in (4, 2)]  # prefill_seqs, decode_seqs
+        a[:, per_seq] = 0.0
+        c = _irls(a)
+    return c
+
+
+def _irls(a: np.ndarray) -> np.ndarray:
     scale = np.linalg.norm(a, axis=0)
     scale[scale == 0] = 1.0  # a feature no sample has: its coefficient stays 0
-    a /= scale
-    weights = np.ones(len(samples))
+    a = a / scale
+    weights = np.ones(len(a))
     for _ in range(IRLS_ROUNDS):
         c = nnls(a * weights[:, None], weights)
         weights = 1.0 / np.sqrt(np.maximum(np.abs(a @ c - 1.0), IRLS_FLOOR))

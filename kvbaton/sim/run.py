@@ -38,10 +38,10 @@ def run_simulation(args: argparse.Namespace) -> int:
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     console = Console() if Console().is_terminal else Console(width=140)
     loads = _loads(args, seed)
-    host = "" if cluster.host.is_zero else f", frontend {cluster.host.describe()}"
+    host = "" if cluster.host.is_zero else f", served as calibrated ({cluster.host.describe()})"
     console.print(f"kvbaton sim: seed {seed}, {cluster.label}, latency {cluster.decode.latency.name}{host}, "
                   f"{len(loads[0][1])} requests, rates {', '.join(rate_label(r) for r, _ in loads)}")
-    runs = [simulate(cluster, requests, request_rate=rate, max_duration_s=args.max_duration_s)
+    runs = [simulate(cluster, requests, request_rate=rate, max_duration_s=args.max_duration_s, seed=seed)
             for rate, requests in loads]
     summaries = [summarize(run.result, slo) for run in runs]
     print_report(summaries, slo, console)
@@ -63,10 +63,6 @@ def _loads(args: argparse.Namespace, seed: int) -> list[tuple[float, list[SimReq
 def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
     instance = instance_from_args(args)
     host = HostOverhead.load(args.host_overhead) if getattr(args, "host_overhead", None) else HostOverhead()
-    host_cores = max(host.host_cores, getattr(args, "host_cores", 0))
-    if host_cores and not instance.cpu_threads:  # else no step would ever fill the cores, and none would pay
-        raise ConfigError(f"the frontend's price holds while {host_cores} shared cores are busy: say how many each "
-                          "worker computes with (--cpu-threads)")
     return ClusterSpec(decode=instance, num_decode=args.decode, num_prefill=args.prefill, link=_link(args),
                        prefill_policy=args.routing, decode_policy=args.routing,
                        local_prefill_threshold=args.local_prefill_threshold,
@@ -74,23 +70,32 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def run_calibration(args: argparse.Namespace) -> int:
-    """`kvbaton sim calibrate`: the host overhead that makes the replay of `--trace` match its medians."""
+    """`kvbaton sim calibrate`: the served steps of `--step-trace` against `--profile`, and the dispatch delay that
+    makes the replay of `--trace` match its TTFT median."""
+    from kvbaton.sim.profiled import ProfiledLatency
+    from kvbaton.sim.served_steps import read_workers, served_steps
+
+    if args.profile is None:
+        raise ConfigError("calibration compares served steps with the profile of their engine: give --profile")
     cluster = cluster_from_args(args)
     requests, rate = trace_requests(args.trace)
     ttft_ms, tpot_ms = trace_medians(args.trace)
+    profile = json.loads(Path(args.profile).read_text())
+    roles = served_steps(read_workers(args.step_trace), ProfiledLatency.load(args.profile), profile)
 
     def simulate_with(host: HostOverhead) -> Summary:
         return summarize(simulate(replace(cluster, host=host), requests, request_rate=rate).result, SLO())
 
-    fit = calibrate(simulate_with, measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
-                    label=f"{Path(args.trace).name} ({cluster.label})", host_cores=args.host_cores)
+    fit = calibrate(simulate_with, roles=roles, measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+                    label=f"{Path(args.trace).name} ({cluster.label})")
     fit.host.save(Path(args.out))
     print(f"kvbaton sim calibrate: {cluster.label}, {len(requests)} requests of {args.trace}")
+    for role, steps in fit.host.roles.items():
+        print(f"  {role:<7} {steps.num_steps} served steps: {steps.describe()}")
     print(f"  measured     TTFT p50 {ttft_ms:8.1f} ms   TPOT p50 {tpot_ms:7.1f} ms")
-    print(f"  engines only TTFT p50 {fit.uncalibrated_ttft_p50_ms:8.1f} ms   TPOT p50 "
-          f"{fit.uncalibrated_tpot_p50_ms:7.1f} ms")
+    print(f"  engines only TTFT p50 {fit.engines_ttft_p50_ms:8.1f} ms   TPOT p50 {fit.engines_tpot_p50_ms:7.1f} ms")
     print(f"  calibrated   TTFT p50 {fit.simulated_ttft_p50_ms:8.1f} ms   TPOT p50 {fit.simulated_tpot_p50_ms:7.1f} ms"
-          f"   ({fit.host.describe()})")
+          f"   (dispatch {fit.host.dispatch_s * 1e3:.1f} ms; TPOT is not fitted)")
     print(f"host overhead: {args.out}")
     return 0
 
@@ -116,8 +121,7 @@ def instance_from_args(args: argparse.Namespace) -> InstanceSpec:
                                 long_prefill_token_threshold=args.long_prefill_token_threshold)
     return InstanceSpec(latency=latency, num_blocks=int(num_blocks), block_size=args.block_size, scheduler=scheduler,
                         max_model_len=args.max_model_len or int(defaults.get("max_model_len", 8192)),
-                        enable_prefix_caching=not args.no_prefix_caching, kv_bytes_per_token=int(kv_bytes or 0),
-                        cpu_threads=args.cpu_threads)
+                        enable_prefix_caching=not args.no_prefix_caching, kv_bytes_per_token=int(kv_bytes or 0))
 
 
 def _latency(args: argparse.Namespace) -> tuple[StepLatencyModel, dict]:

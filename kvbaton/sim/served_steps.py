@@ -13,12 +13,16 @@ frontend, streaming).
 
 Steps of one shape are condensed to their median (a served trace repeats decode shapes thousands of
 times); at most `MAX_SAMPLES` shapes are fitted, a fixed-seed draw of them beyond that.
+
+`served_steps` is what `kvbaton sim calibrate` takes from a trace: per role, each served step's seconds over
+what a profile predicts for its shape, and the worker's pause between steps while it has work.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import random
@@ -31,12 +35,33 @@ from typing import Any
 
 from kvbaton.engine.step_shape import StepShape
 from kvbaton.engine.step_trace import PROFILE_FORMAT, TRACE_FORMAT
+from kvbaton.sim.host import ServedSteps, quantiles
+from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.profiled import ProfiledLatency, ProfileError, ProfileSample
 
 MAX_SAMPLES = 1500  # the fit tries ~100 forms x 5 folds: seconds at this size
 # What must agree across the files fitted together: one engine configuration's steps.
 SAME_ENGINE = ("model", "dtype", "kv_cache_dtype", "threads", "kernels", "compute_path")
 SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(StepShape))
+# A longer pause between two steps is the worker waiting for work, not its loop's own cost.
+BUSY_GAP_S = 0.010
+# A step this many times its kind's median ratio is a one-off (the first use of a kernel, a stall), not the spread
+# of served steps: a simulated step drawing it would make a tail no other run has.
+OUTLIER_RATIO = 3.0
+
+
+@dataclass(frozen=True)
+class TracedWorker:
+    """One worker's trace file: its header and its steps, each with the time it ended."""
+
+    path: str
+    header: dict[str, Any]
+    steps: list[tuple[float, ProfileSample]]
+    lines_skipped: int
+
+    @property
+    def role(self) -> str:
+        return str(self.header.get("role", "both"))  # traces written before roles were named: a colocated worker
 
 
 @dataclass(frozen=True)
@@ -60,32 +85,32 @@ def trace_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
+def read_workers(paths: Sequence[str | Path]) -> list[TracedWorker]:
+    """Every worker's trace in `paths`; ProfileError if one is not a step trace or they trace different engines
+    (the roles of one deployment may differ)."""
+    workers = [read_worker(path) for path in trace_files(paths)]
+    first = workers[0]
+    for w in workers[1:]:
+        differ = [k for k in SAME_ENGINE if w.header.get(k) != first.header.get(k)]
+        if differ:
+            raise ProfileError(f"{w.path} traces another engine than {first.path} ({', '.join(differ)} differ): fit "
+                               "one configuration's workers at a time")
+    if not any(w.steps for w in workers):
+        raise ProfileError(f"{', '.join(w.path for w in workers)}: no steps traced (no request reached the engine?)")
+    return workers
+
+
 def read_traces(paths: Sequence[str | Path]) -> TracedSteps:
-    """Every step of the files; ProfileError if one is not a step trace or they trace different engines."""
-    header: dict[str, Any] | None = None
-    first = ""
-    steps: list[ProfileSample] = []
-    skipped = 0
-    files = trace_files(paths)
-    for path in files:
-        this, lines = _read_file(path)
-        if header is None:
-            header, first = this, str(path)
-        else:
-            differ = [k for k in SAME_ENGINE if this.get(k) != header.get(k)]
-            if differ:
-                raise ProfileError(f"{path} traces another engine than {first} ({', '.join(differ)} differ): fit "
-                                   "one configuration's workers at a time")
-        for line in lines:
-            step = _step(line)
-            if step is None:
-                skipped += 1
-            else:
-                steps.append(step)
-    assert header is not None
-    if not steps:
-        raise ProfileError(f"{', '.join(map(str, files))}: no steps traced (no request reached the engine?)")
-    return TracedSteps(header, steps, tuple(map(str, files)), skipped)
+    """Every step of the files, whatever worker ran it."""
+    workers = read_workers(paths)
+    return TracedSteps(workers[0].header, [step for w in workers for _, step in w.steps],
+                       tuple(w.path for w in workers), sum(w.lines_skipped for w in workers))
+
+
+def read_worker(path: Path) -> TracedWorker:
+    header, lines = _read_file(path)
+    steps = [step for step in map(_step, lines) if step is not None]
+    return TracedWorker(str(path), header, steps, len(lines) - len(steps))
 
 
 def _read_file(path: Path) -> tuple[dict[str, Any], list[str]]:
@@ -104,17 +129,19 @@ def _read_file(path: Path) -> tuple[dict[str, Any], list[str]]:
     return header, lines[1:]
 
 
-def _step(line: str) -> ProfileSample | None:
+def _step(line: str) -> tuple[float, ProfileSample] | None:
+    """(when the step ended, the step); None for a line that is not one."""
     try:
         d = json.loads(line)
-        shape, seconds = d["shape"], float(d["seconds"])
+        shape, seconds, ended = d["shape"], float(d["seconds"]), float(d["t"])
         values = [shape[k] for k in SHAPE_FIELDS]
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return None
-    if not all(type(v) is int and v >= 0 for v in values) or not (math.isfinite(seconds) and seconds > 0):
+    if not all(type(v) is int and v >= 0 for v in values) or not all(map(math.isfinite, (seconds, ended))) \
+            or seconds <= 0:
         return None
     step = StepShape(*values)
-    return None if step.is_empty else ProfileSample(step, seconds)
+    return None if step.is_empty else (ended, ProfileSample(step, seconds))
 
 
 def condense(steps: Sequence[ProfileSample], max_samples: int = MAX_SAMPLES,
@@ -177,3 +204,40 @@ def fit_steps(traced: TracedSteps) -> dict[str, Any]:
             "samples": [{"kind": s.shape.kind, "shape": dataclasses.asdict(s.shape), "seconds": s.seconds,
                          "steps": n} for s, n in samples],
             "latency_model": model.to_dict()}
+
+
+def served_steps(workers: Sequence[TracedWorker], profile: StepLatencyModel,
+                 profile_engine: dict[str, Any]) -> dict[str, ServedSteps]:
+    """Per role, how the traced steps compare with `profile` (of the engine `profile_engine` describes)."""
+    differ = [k for k in SAME_ENGINE if k in profile_engine and workers[0].header.get(k) != profile_engine[k]]
+    if differ:
+        raise ProfileError(f"the step traces ran another engine than the profile ({', '.join(differ)} differ): "
+                           "profile the engine the deployment serves with")
+    by_role: dict[str, list[TracedWorker]] = defaultdict(list)
+    for w in workers:
+        if w.steps:
+            by_role[w.role].append(w)
+    return {role: _served(group, profile) for role, group in sorted(by_role.items())}
+
+
+def _served(workers: Sequence[TracedWorker], profile: StepLatencyModel) -> ServedSteps:
+    ratios: dict[bool, list[float]] = {True: [], False: []}  # by: has prompt tokens
+    gaps: list[float] = []
+    for w in workers:
+        for _, s in w.steps:
+            ratios[s.shape.prefill_tokens > 0].append(s.seconds / profile.step_seconds(s.shape))
+        for (ended, _), (next_ended, step) in itertools.pairwise(w.steps):
+            gap = next_ended - step.seconds - ended
+            if gap < BUSY_GAP_S:
+                gaps.append(max(gap, 0.0))  # the clock of `t` and the step's timer differ by microseconds
+    prompt, decode = (_typical(ratios[k]) for k in (True, False))
+    return ServedSteps(prompt_ratios=prompt, decode_ratios=decode, gap_s=statistics.fmean(gaps) if gaps else 0.0,
+                       num_steps=sum(len(w.steps) for w in workers))
+
+
+def _typical(ratios: list[float]) -> tuple[float, ...]:
+    """The ratios' quantiles without one-off outliers; (1.0,) when the role ran no step of this kind."""
+    if not ratios:
+        return (1.0,)
+    median = statistics.median(ratios)
+    return quantiles([r for r in ratios if r <= OUTLIER_RATIO * median])

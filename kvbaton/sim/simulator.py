@@ -11,8 +11,9 @@ instances' schedulers are touched exactly where the real system touches them:
                                                  └─ prefill policy ─▶ add_request(remote_decode)
     prefill step samples the first token (TTFT) ─▶ link ─▶ release_held + admit_transferred
 
-The frontend's costs (`ClusterSpec.host`, zero by default) are a delay before routing and a price
-per streamed token added to the step that sampled it (kvbaton.sim.host).
+What serving adds (`ClusterSpec.host`, nothing by default) is a delay before routing, and each role's served
+steps: a step's seconds are its profiled ones times a ratio drawn from that role's measured ones, plus the
+worker's gap between steps (kvbaton.sim.host). The draws are seeded: a run is the same for the same seed.
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ class SimRun:
 
 
 def simulate(cluster: ClusterSpec, requests: Sequence[SimRequest], *, request_rate: float = float("inf"),
-             max_duration_s: float | None = None) -> SimRun:
-    """Run `requests` (arrival times in simulated seconds) through `cluster`; deterministic.
+             max_duration_s: float | None = None, seed: int = 0) -> SimRun:
+    """Run `requests` (arrival times in simulated seconds) through `cluster`; deterministic for one `seed` (which
+    draws served steps' ratios, when `cluster.host` has any).
 
     `request_rate` only labels the result (as the bench's RunResult does); `max_duration_s`
     cancels what is still in flight that long after the first arrival."""
     started = time.perf_counter()
-    sim = _Simulation(cluster)
+    sim = _Simulation(cluster, seed)
     duration = sim.run(sorted(requests, key=lambda r: (r.arrival_s, r.request_id)), max_duration_s)
     result = RunResult(request_rate, None, duration, len(requests), tuple(sim.records()))
     return SimRun(result=result, instances=tuple(InstanceStats.of(i) for i in sim.instances),
@@ -85,13 +87,13 @@ def simulate(cluster: ClusterSpec, requests: Sequence[SimRequest], *, request_ra
 
 
 class _Simulation:
-    def __init__(self, cluster: ClusterSpec) -> None:
+    def __init__(self, cluster: ClusterSpec, seed: int) -> None:
         self.cluster = cluster
         decode_role = "decode" if cluster.num_prefill else "both"
-        self.decoders = [SimInstance(f"{decode_role}-{i}", decode_role, cluster.decode, cluster.host)
-                         for i in range(cluster.num_decode)]
-        self.prefillers = [SimInstance(f"prefill-{i}", "prefill", cluster.prefill_instance, cluster.host)
-                           for i in range(cluster.num_prefill)]
+        self.decoders = [SimInstance(f"{decode_role}-{i}", decode_role, cluster.decode,
+                                     cluster.host.steps_for(decode_role), seed) for i in range(cluster.num_decode)]
+        self.prefillers = [SimInstance(f"prefill-{i}", "prefill", cluster.prefill_instance,
+                                       cluster.host.steps_for("prefill"), seed) for i in range(cluster.num_prefill)]
         self.instances = self.prefillers + self.decoders
         self.decode_policy: Policy = make_policy(cluster.decode_policy, cluster.decode.block_size)
         self.prefill_policy: Policy = make_policy(cluster.prefill_policy, cluster.prefill_instance.block_size)
@@ -230,7 +232,7 @@ class _Simulation:
         """Start `inst`'s next step if it is idle and has something to run."""
         if inst.busy:
             return
-        step = inst.start_step(sum(i.spec.cpu_threads for i in self.instances if i.busy))
+        step = inst.start_step()
         if step is not None:
             self.at(self.now + step.seconds, lambda: self.step_ended(inst))
 

@@ -27,13 +27,10 @@ class InstanceSpec:
     enable_prefix_caching: bool = True
     kv_bytes_per_token: int = 0  # what a KV transfer moves per prompt token (all layers, K and V)
     num_devices: int = 1  # GPUs (or CPU sockets) the instance occupies, for per-device figures
-    cpu_threads: int = 0  # threads its worker computes with on cores it shares with the frontend (0: none)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1 or self.max_model_len < 1 or self.num_devices < 1:
             raise ConfigError("an instance needs at least one block, one token per block, and one device")
-        if not 0 <= self.cpu_threads <= 4096:
-            raise ConfigError("an instance's --cpu-threads must be in [0, 4096]")
 
     @property
     def capacity_tokens(self) -> int:
@@ -57,7 +54,7 @@ class ClusterSpec:
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode instance
     max_waiting_requests: int = 256  # the server's admission control: refused (503) beyond this
-    host: HostOverhead = field(default_factory=HostOverhead)  # the frontend's share (none: engines alone)
+    host: HostOverhead = field(default_factory=HostOverhead)  # what serving adds (none: the engines alone)
 
     def __post_init__(self) -> None:
         if self.num_decode < 1 or self.num_prefill < 0:

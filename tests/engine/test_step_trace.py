@@ -37,6 +37,7 @@ def steps_of(directory: Path) -> tuple[dict, list[dict]]:
 def test_every_step_is_traced_with_the_shape_it_ran(traced: Path) -> None:
     header, steps = steps_of(traced)
     assert header["format"] == TRACE_FORMAT and header["threads"] == 1 and header["dtype"] == "float32"
+    assert header["role"] == "both"  # an engine of its own: it prefills and decodes
     assert header["block_size"] == 4 and header["num_blocks"] > 0 and header["compute_path"]
     shapes = [StepShape(**s["shape"]) for s in steps]
     assert all(s["seconds"] > 0 for s in steps) and not any(shape.is_empty for shape in shapes)

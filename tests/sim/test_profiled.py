@@ -196,3 +196,14 @@ def test_a_price_per_token_that_is_not_convex_gets_the_segmented_form() -> None:
     costs = [fitted.step_seconds(shape(prefill=n)) for n in range(1, 2100, 7)]
     assert costs == sorted(costs)  # monotone all the same
     assert ProfiledLatency.from_dict(fitted.to_dict()) == dataclasses.replace(fitted, label="")
+
+
+def test_steps_that_all_batch_three_sequences_still_give_a_one_token_step_a_cost() -> None:
+    # a short served trace (a tiny model's, as traced): every step three sequences, so the per-sequence prices can
+    # stand in for the fixed cost, and the first step slower than the later ones
+    samples = [ProfileSample(StepShape(prefill_tokens=56, prefill_seqs=3, prefill_attended=663), 0.0206),
+               *(ProfileSample(StepShape(decode_seqs=3, decode_context=c), t) for c, t in (
+                   (59, 0.00137), (62, 0.00100), (65, 0.000887), (68, 0.000661), (71, 0.000683)))]
+    model = ProfiledLatency.fit(samples)
+    assert model.step_seconds(shape(decodes=1, context=10)) > 0
+    assert model.step_seconds(StepShape(decode_seqs=3, decode_context=65)) == pytest.approx(0.00085, rel=0.5)
