@@ -33,7 +33,16 @@ from common.machine import cpu_kind, cpu_name, kvbaton_commit
 from common.prompts import fresh_seed
 from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
 from common.servers import Server, free_port, kvbaton_server
-from common.sim import COMMON_SERVE_ARGS, KV_GB, Deployment, ensure_host_overhead, ensure_profile, kv_pool, replay
+from common.sim import (
+    CALIBRATION_TEXT,
+    COMMON_SERVE_ARGS,
+    KV_GB,
+    Deployment,
+    ensure_host_overhead,
+    ensure_profile,
+    kv_pool,
+    replay,
+)
 from kvbaton.bench.metrics import SLO
 
 SETUPS = {"pd": Deployment(threads=1, num_prefill=1, local_prefill_threshold=256),
@@ -101,7 +110,7 @@ def write_report(doc: dict, lengths: list[int], shares: list[float], path: Path)
              f"{doc['num_prompts']} requests per cell at {doc['rate']} req/s; wall {doc['wall_s']:.0f} s.", "",
              "TPOT p99 of 1P+1D (1 thread each) over one chunked-prefill worker (2 threads): measured | simulated "
              "with the engines alone (`kvbaton sim run`'s default: the step profiles) | simulated with each set-up's "
-             "calibration, measured on a load of its own (random 256±50% tokens in, 64 out, 1 req/s). The simulator "
+             "calibration, measured on a load of its own (" + CALIBRATION_TEXT + "). The simulator "
              "replays each measured cell's trace (5 seeds pooled). Below 1: disaggregation wins. Crossover: the "
              "shortest long-prompt length from which 1P+1D stays better.", "",
              *[f"- {name}: {h}" for name, h in doc["host"].items()], "",

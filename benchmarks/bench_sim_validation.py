@@ -31,7 +31,17 @@ from pathlib import Path
 from common.machine import cpu_kind, cpu_name, kvbaton_commit
 from common.prompts import fresh_seed
 from common.report import RESULTS_DIR, command_line, read_json, stamp, write_json
-from common.sim import KV_GB, RANDOM, Deployment, ensure_host_overhead, ensure_profile, kv_pool, measure, replay
+from common.sim import (
+    CALIBRATION_TEXT,
+    KV_GB,
+    RANDOM,
+    Deployment,
+    ensure_host_overhead,
+    ensure_profile,
+    kv_pool,
+    measure,
+    replay,
+)
 from kvbaton.bench.metrics import SLO, Summary
 
 TARGETS = {"p50": 0.10, "p99": 0.15}
@@ -78,8 +88,8 @@ def write_report(doc: dict, path: Path) -> None:
              f"{doc['num_prompts']} requests per load; wall {doc['wall_s']:.0f} s.", "",
              "Each load was measured against a real `kvbaton serve`, then its recorded trace (send times, lengths) "
              "was replayed through `kvbaton sim` (5 seeds pooled) with the step-latency model profiled on this "
-             "machine and its deployment's calibration, measured on a load of its own (random 256±50% tokens in, "
-             "64 out, 1 req/s): served steps over profiled ones per role, and the dispatch delay. Targets: |error| "
+             "machine and its deployment's calibration, measured on a load of its own (" + CALIBRATION_TEXT
+             + "): served steps over profiled ones per role, and the dispatch delay. Targets: |error| "
              f"<= {TARGETS['p50']:.0%} at p50, <= {TARGETS['p99']:.0%} at p99. In brackets: the error of the "
              "engines alone (`kvbaton sim run` without --host-overhead).", "",
              *[f"- {d}: {h}" for d, h in doc["host"].items()], "",
@@ -125,7 +135,8 @@ def main() -> None:
     run_stamp = stamp(started)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     pool = kv_pool(model_dir, KV_GB)
-    chosen = [load for load in LOADS if load.name in args.loads.split(",")]
+    names = previous["loads"] if previous else args.loads.split(",")  # a replay: the loads that were measured
+    chosen = [load for load in LOADS if load.name in names]
     threads = {load.deployment.threads for load in chosen}
     profiles = {t: ensure_profile(t, RESULTS_DIR, model_dir, args.profiles_from) for t in threads}
     deployments = {load.deployment.label: load.deployment for load in chosen}

@@ -102,9 +102,13 @@ def measure(deployment: Deployment, bench_args: list[str], *, n: int, seed: int,
 
 
 # Every deployment is calibrated on this load, which is none of any benchmark's measured loads: what is validated
-# was not fitted.
-CALIBRATION_LOAD = [*RANDOM, "--request-rate", "1"]
+# was not fitted. Its prompts span every prompt bucket the simulator prices apart (kvbaton.sim.host.PROMPT_BUCKETS):
+# short ones of 32-96 tokens, 30% long ones of 320-960, and the chunks of those.
+CALIBRATION_LOAD = ["--dataset", "mixed", "--short-input-len", "64", "--long-input-len", "640", "--long-fraction",
+                    "0.3", "--range-ratio", "0.5", "--output-len", "64", "--request-rate", "0.7"]
 CALIBRATION_PROMPTS = 60
+CALIBRATION_TEXT = ("70% prompts of 32-96 tokens and 30% of 320-960, 32-96 out, 0.7 req/s, "
+                    f"{CALIBRATION_PROMPTS} requests")
 
 
 def ensure_host_overhead(deployment: Deployment, out_dir: Path, model_dir: str, reuse: Path | None, *,

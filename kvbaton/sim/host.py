@@ -5,9 +5,10 @@ A served request also crosses the HTTP frontend and the router (tokenize, admit,
 worker, the first chunk streamed back): a fixed `dispatch_s` before the first token. And a served step
 is not a crafted one: the frontend, the benchmark client, a second worker and KV transfers run beside it,
 on a CPU host on the very cores it computes on, and its prompt is one the engine has not seen. Measured
-on a 2-core Xeon (AMX), served steps with prompt tokens ran 1.1-1.3x their profiled time while decode
-steps ran 0.9-1.05x, and those ratios held from 0.5 to 3 req/s; so they are measured, per role, from a
-served run's step trace (`ServedSteps`), and a simulated step draws its ratio from them.
+on a 2-core Xeon (AMX), served steps with prompt tokens ran 1.0-1.5x their profiled time (more for
+longer prompts, and on a prefill worker whose decode peer computes beside it) while decode steps ran
+0.9-1.05x, and those ratios held from 0.5 to 3 req/s; so they are measured, per role, from a served
+run's step trace (`ServedSteps`), and a simulated step draws its ratio from them.
 
     served step = profiled seconds x ratio (drawn from the role's measured ratios of its kind) + gap_s
 
@@ -18,6 +19,8 @@ validation then uses other loads.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import json
 import math
 import random
@@ -41,39 +44,60 @@ def quantiles(values: Sequence[float], n: int = MAX_RATIOS) -> tuple[float, ...]
     return tuple(ordered[int((i + 0.5) * len(ordered) / n)] for i in range(n))
 
 
+# A step's prompt tokens, bucketed (<= 64, <= 256, <= 1024, more): served prompt steps slow down with their size
+# (measured on a 2-core Xeon: about 1.0x the profile at 64 tokens, 1.2x at 256, 1.3x at 1024).
+PROMPT_BUCKETS = (64, 256, 1024)
+
+
+def prompt_bucket(prompt_tokens: int) -> int:
+    return bisect.bisect_left(PROMPT_BUCKETS, prompt_tokens)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServedSteps:
     """How one role's served steps compare with its step profile (`kvbaton.sim.served_steps` measures it).
 
-    A step the profile prices at `p` seconds takes `p * r + gap_s`; `r` is drawn from `prompt_ratios` for a
-    step with prompt tokens, from `decode_ratios` for a decode-only one. Drawn, not averaged: served steps
-    vary, and queues grow their tails from that variance (a mean ratio put TTFT p99 10-20% low)."""
+    A step the profile prices at `p` seconds takes `p * r + gap_s`; `r` is drawn from the ratios measured for
+    steps like it: decode-only steps, or steps with about as many prompt tokens (`PROMPT_BUCKETS`; a bucket
+    no traced step fell in borrows its nearest one's). Drawn, not averaged: served steps vary, and queues grow
+    their tails from that variance (a mean ratio put TTFT p99 10-20% low)."""
 
-    prompt_ratios: tuple[float, ...] = (1.0,)  # served / profiled seconds, equal-mass quantiles
+    # served / profiled seconds, equal-mass quantiles: per prompt bucket (() where none was traced), decode-only
+    prompt_ratios: tuple[tuple[float, ...], ...] = ((1.0,),) * (len(PROMPT_BUCKETS) + 1)
     decode_ratios: tuple[float, ...] = (1.0,)
     gap_s: float = 0.0  # the worker's own loop between two steps while it has work (receive, send outputs)
     num_steps: int = 0  # how many traced steps the figures come from
 
     def __post_init__(self) -> None:
-        ratios = (*self.prompt_ratios, *self.decode_ratios)
-        if not (self.prompt_ratios and self.decode_ratios and all(0.01 <= r <= 100.0 for r in ratios)):
-            raise ConfigError("host overhead: served/profiled step ratios must be in [0.01, 100], at least one of "
-                              "each kind")
+        ratios = (*(r for bucket in self.prompt_ratios for r in bucket), *self.decode_ratios)
+        if len(self.prompt_ratios) != len(PROMPT_BUCKETS) + 1 or not any(self.prompt_ratios) \
+                or not self.decode_ratios or not all(0.01 <= r <= 100.0 for r in ratios):
+            raise ConfigError(f"host overhead: served/profiled step ratios must be in [0.01, 100], for decode steps "
+                              f"and for {len(PROMPT_BUCKETS) + 1} prompt sizes (at least one measured)")
         if not 0.0 <= self.gap_s < 1.0 or self.num_steps < 0:
             raise ConfigError("host overhead: the gap between steps must be in [0, 1) s")
 
     @property
     def is_identity(self) -> bool:
-        return self.prompt_ratios == (1.0,) and self.decode_ratios == (1.0,) and self.gap_s == 0.0
+        return ServedSteps() == dataclasses.replace(self, num_steps=0)
+
+    def ratios_for(self, shape: StepShape) -> tuple[float, ...]:
+        if not shape.prefill_tokens:
+            return self.decode_ratios
+        want = prompt_bucket(shape.prefill_tokens)
+        measured = [i for i, bucket in enumerate(self.prompt_ratios) if bucket]
+        return self.prompt_ratios[min(measured, key=lambda i: (abs(i - want), -i))]  # a tie: the larger prompts'
 
     def seconds(self, profiled_s: float, shape: StepShape, rng: random.Random) -> float:
-        ratios = self.prompt_ratios if shape.prefill_tokens else self.decode_ratios
+        ratios = self.ratios_for(shape)
         ratio = ratios[0] if len(ratios) == 1 else rng.choice(ratios)
         return profiled_s * ratio + self.gap_s
 
     def describe(self) -> str:
-        return (f"steps x{_median(self.prompt_ratios):.2f} with prompt tokens, x{_median(self.decode_ratios):.2f} "
-                f"decode-only (medians), +{self.gap_s * 1e3:.2f} ms between steps")
+        edges = [f"<={n}" for n in PROMPT_BUCKETS] + [f">{PROMPT_BUCKETS[-1]}"]
+        prompt = ", ".join(f"x{_median(r):.2f} ({edge})" for edge, r in zip(edges, self.prompt_ratios) if r)
+        return (f"prompt steps {prompt}; decode-only x{_median(self.decode_ratios):.2f} (medians); "
+                f"+{self.gap_s * 1e3:.2f} ms between steps")
 
 
 IDENTITY = ServedSteps()
@@ -119,7 +143,7 @@ class HostOverhead:
         """A `kvbaton sim calibrate --out` file; a clear ConfigError for anything else."""
         try:
             doc = json.loads(Path(path).read_text())
-            roles = {str(role): ServedSteps(prompt_ratios=_floats(s["prompt_ratios"]),
+            roles = {str(role): ServedSteps(prompt_ratios=tuple(_floats(b) for b in s["prompt_ratios"]),
                                             decode_ratios=_floats(s["decode_ratios"]), gap_s=float(s["gap_s"]),
                                             num_steps=int(s.get("num_steps", 0)))
                      for role, s in doc["roles"].items()}
@@ -131,7 +155,7 @@ class HostOverhead:
 
 def _floats(values: Any) -> tuple[float, ...]:
     if not isinstance(values, list):
-        raise TypeError("ratios must be a list")
+        raise TypeError("ratios must be lists")
     floats = tuple(float(v) for v in values)
     if not all(math.isfinite(v) for v in floats):
         raise ValueError("ratios must be finite")

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvbaton.engine.step_shape import StepShape
 from kvbaton.engine.step_trace import PROFILE_FORMAT, TRACE_FORMAT
-from kvbaton.sim.host import ServedSteps, quantiles
+from kvbaton.sim.host import PROMPT_BUCKETS, ServedSteps, prompt_bucket, quantiles
 from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.profiled import ProfiledLatency, ProfileError, ProfileSample
 
@@ -221,23 +221,27 @@ def served_steps(workers: Sequence[TracedWorker], profile: StepLatencyModel,
 
 
 def _served(workers: Sequence[TracedWorker], profile: StepLatencyModel) -> ServedSteps:
-    ratios: dict[bool, list[float]] = {True: [], False: []}  # by: has prompt tokens
+    prompt: list[list[float]] = [[] for _ in range(len(PROMPT_BUCKETS) + 1)]
+    decode: list[float] = []
     gaps: list[float] = []
     for w in workers:
         for _, s in w.steps:
-            ratios[s.shape.prefill_tokens > 0].append(s.seconds / profile.step_seconds(s.shape))
+            ratio = s.seconds / profile.step_seconds(s.shape)
+            (prompt[prompt_bucket(s.shape.prefill_tokens)] if s.shape.prefill_tokens else decode).append(ratio)
         for (ended, _), (next_ended, step) in itertools.pairwise(w.steps):
             gap = next_ended - step.seconds - ended
             if gap < BUSY_GAP_S:
                 gaps.append(max(gap, 0.0))  # the clock of `t` and the step's timer differ by microseconds
-    prompt, decode = (_typical(ratios[k]) for k in (True, False))
-    return ServedSteps(prompt_ratios=prompt, decode_ratios=decode, gap_s=statistics.fmean(gaps) if gaps else 0.0,
-                       num_steps=sum(len(w.steps) for w in workers))
+    prompt_ratios = tuple(_typical(bucket) for bucket in prompt)
+    if not any(prompt_ratios):  # a role that never ran a prompt (a decode worker of long prompts only)
+        prompt_ratios = ((1.0,), *prompt_ratios[1:])
+    return ServedSteps(prompt_ratios=prompt_ratios, decode_ratios=_typical(decode) or (1.0,),
+                       gap_s=statistics.fmean(gaps) if gaps else 0.0, num_steps=sum(len(w.steps) for w in workers))
 
 
 def _typical(ratios: list[float]) -> tuple[float, ...]:
-    """The ratios' quantiles without one-off outliers; (1.0,) when the role ran no step of this kind."""
+    """The ratios' quantiles without one-off outliers; () when the role ran no such step."""
     if not ratios:
-        return (1.0,)
+        return ()
     median = statistics.median(ratios)
     return quantiles([r for r in ratios if r <= OUTLIER_RATIO * median])

@@ -6,7 +6,8 @@ instances' schedulers are touched exactly where the real system touches them:
 
     arrival ─▶ admission ─▶ (frontend dispatch delay) ─▶ decode policy ─┬─ short prompt, or no prefill
                                                                          │  pool: add_request (local)
-                                                                         └─ reserve_for_transfer (decode)
+                                                                         └─ reserve_for_transfer (decode,
+                                                                            once its step in flight ends)
                                                  ├─ no room: retried after each of its steps
                                                  └─ prefill policy ─▶ add_request(remote_decode)
     prefill step samples the first token (TTFT) ─▶ link ─▶ release_held + admit_transferred
@@ -105,7 +106,8 @@ class _Simulation:
                                enable_chunked_prefill=spec.scheduler.enable_chunked_prefill, eos_token_ids=())
         self.flights: dict[str, Flight] = {}
         self.clock = ArrivalClock()
-        self.waiting_receives: dict[str, deque[Flight]] = {d.name: deque() for d in self.decoders}
+        self.waiting_receives: dict[str, deque[Flight]] = {d.name: deque() for d in self.decoders}  # refused: no room
+        self.pending_receives: dict[str, list[Flight]] = {d.name: [] for d in self.decoders}  # its step in flight
         self.counters = {"disaggregated": 0, "local": 0, "refused_receives": 0, "rejected": 0, "invalid": 0}
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -143,7 +145,8 @@ class _Simulation:
             inst.scheduler.check_integrity()
             assert not inst.kv_cache.req_blocks, f"{inst.name}: blocks still held by {sorted(inst.kv_cache.req_blocks)}"
             assert not inst.attempts, f"{inst.name}: requests never finished: {sorted(inst.attempts)}"
-        assert all(not q for q in self.waiting_receives.values()), "reservations still waiting"
+        assert not any((*q, *p) for q, p in zip(self.waiting_receives.values(), self.pending_receives.values())), \
+            "reservations still waiting"
 
     def records(self) -> list[RequestRecord]:
         return [f.record(self.start) for f in sorted(self.flights.values(), key=lambda f: f.req.request_id)]
@@ -193,9 +196,13 @@ class _Simulation:
         self.kick(flight.decode)
 
     def prepare_receive(self, flight: Flight) -> None:
-        """The decode instance reserves blocks for the prompt's KV, or the flight waits for room there."""
+        """The decode instance reserves blocks for the prompt's KV, or the flight waits for room there. A busy
+        instance reserves at the end of its step: a worker reads its commands between steps."""
         decode = flight.decode
         assert decode is not None
+        if decode.busy:
+            self.pending_receives[decode.name].append(flight)
+            return
         reservation = decode.reserve(self.request(flight))
         if reservation is None:
             self.counters["refused_receives"] += 1
@@ -259,15 +266,23 @@ class _Simulation:
             self.finish(flight)
 
     def retry_receives(self, decode: SimInstance) -> None:
-        """Reservations refused for lack of blocks are tried again, in arrival order, after each step."""
+        """After each step: reservations refused for lack of blocks are tried again, in arrival order, then those
+        that waited for the step to end are tried (a refused one joins the back of the queue)."""
         queue = self.waiting_receives[decode.name]
         while queue:
             flight = queue[0]
             reservation = decode.reserve(self.request(flight))
             if reservation is None:
-                return
+                break
             queue.popleft()
             self.start_prefill(flight, reservation)
+        pending, self.pending_receives[decode.name] = self.pending_receives[decode.name], []
+        for flight in pending:
+            if queue:  # earlier ones wait for room: no overtaking
+                self.counters["refused_receives"] += 1
+                queue.append(flight)
+            else:
+                self.prepare_receive(flight)
 
     # ---- the KV handoff -------------------------------------------------------------------------------
 

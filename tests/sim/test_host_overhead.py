@@ -18,7 +18,7 @@ from kvbaton.cli import main
 from kvbaton.config import ConfigError
 from kvbaton.engine.step_trace import TRACE_FORMAT
 from kvbaton.sim.calibrate import calibrate
-from kvbaton.sim.host import HostOverhead, ServedSteps, quantiles
+from kvbaton.sim.host import PROMPT_BUCKETS, HostOverhead, ServedSteps, quantiles
 from kvbaton.sim.latency import LinearLatency, StepShape
 from kvbaton.sim.served_steps import read_workers, served_steps
 from kvbaton.sim.simulator import simulate
@@ -31,6 +31,11 @@ ENGINE = {"model": "m", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "thre
           "compute_path": "amx"}
 
 
+def served(prompt: tuple[float, ...] = (1.0,), decode: tuple[float, ...] = (1.0,), gap_s: float = 0.0) -> ServedSteps:
+    """Served steps whose prompt steps of every size run `prompt` times their profiled seconds."""
+    return ServedSteps(prompt_ratios=(prompt,) * (len(PROMPT_BUCKETS) + 1), decode_ratios=decode, gap_s=gap_s)
+
+
 def load(rate: float = 3.0, n: int = 60) -> list[SimRequest]:
     dataset = DatasetConfig(name="random", num_prompts=n, input_len=256, output_len=32, range_ratio=0.5)
     return synthetic_requests(dataset, ArrivalConfig(request_rate=rate), seed=3)
@@ -39,33 +44,40 @@ def load(rate: float = 3.0, n: int = 60) -> list[SimRequest]:
 def test_one_request_pays_the_dispatch_once_and_its_roles_ratios_on_every_step() -> None:
     req = [SimRequest(0, 0.0, tuple(range(100, 300)), 8)]
     bare = simulate(CLUSTER, req).result.records[0]
-    steps = ServedSteps(prompt_ratios=(1.5,), decode_ratios=(2.0,), gap_s=0.001)
+    steps = served((1.5,), (2.0,), gap_s=0.001)
     host = HostOverhead(dispatch_s=0.05, roles={"both": steps})
-    served = simulate(replace(CLUSTER, host=host), req).result.records[0]
-    assert served.ttft_s == pytest.approx(0.05 + bare.ttft_s * 1.5 + 0.001)  # alone: TTFT is its prefill step
-    assert served.itl_s == pytest.approx([gap * 2.0 + 0.001 for gap in bare.itl_s])  # one sequence: a step a token
+    record = simulate(replace(CLUSTER, host=host), req).result.records[0]
+    assert record.ttft_s == pytest.approx(0.05 + bare.ttft_s * 1.5 + 0.001)  # alone: TTFT is its prefill step
+    assert record.itl_s == pytest.approx([gap * 2.0 + 0.001 for gap in bare.itl_s])  # one sequence: a step a token
 
 
 def test_each_role_runs_its_own_steps_and_a_role_not_calibrated_takes_the_colocated_ones() -> None:
     pd = replace(CLUSTER, num_prefill=1, local_prefill_threshold=64)
     req = [SimRequest(0, 0.0, tuple(range(100, 400)), 8)]
     bare = simulate(pd, req).result.records[0]
-    slow_prefill = {"prefill": ServedSteps(prompt_ratios=(2.0,)), "decode": ServedSteps(decode_ratios=(1.5,))}
-    served = simulate(replace(pd, host=HostOverhead(roles=slow_prefill)), req).result.records[0]
-    assert served.ttft_s == pytest.approx(bare.ttft_s * 2.0)  # prefilled on the prefill instance
-    assert served.itl_s[1:] == pytest.approx([g * 1.5 for g in bare.itl_s[1:]])  # decoded on the decode instance
-    colocated_only = HostOverhead(roles={"both": ServedSteps(prompt_ratios=(2.0,), decode_ratios=(1.5,))})
-    assert simulate(replace(pd, host=colocated_only), req).result.records[0] == served
+    slow_prefill = {"prefill": served(prompt=(2.0,)), "decode": served(decode=(1.5,))}
+    record = simulate(replace(pd, host=HostOverhead(roles=slow_prefill)), req).result.records[0]
+    assert record.ttft_s == pytest.approx(bare.ttft_s * 2.0)  # prefilled on the prefill instance
+    assert record.itl_s[1:] == pytest.approx([g * 1.5 for g in bare.itl_s[1:]])  # decoded on the decode instance
+    colocated_only = HostOverhead(roles={"both": served((2.0,), (1.5,))})
+    assert simulate(replace(pd, host=colocated_only), req).result.records[0] == record
 
 
 def test_draws_are_seeded_and_average_to_the_ratios_mean() -> None:
-    host = HostOverhead(roles={"both": ServedSteps(prompt_ratios=(1.0, 3.0), decode_ratios=(1.0, 3.0))})
+    host = HostOverhead(roles={"both": served((1.0, 3.0), (1.0, 3.0))})
     requests = load(rate=1.0, n=40)
     runs = [simulate(replace(CLUSTER, host=host), requests, seed=s).instances[0] for s in (1, 1, 2)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
-    busy_at_mean_ratio = simulate(replace(CLUSTER, host=HostOverhead(roles={"both": ServedSteps(
-        prompt_ratios=(2.0,), decode_ratios=(2.0,))})), requests).instances[0].busy_s
+    busy_at_mean_ratio = simulate(replace(CLUSTER, host=HostOverhead(roles={"both": served((2.0,), (2.0,))})),
+                                  requests).instances[0].busy_s
     assert runs[0].busy_s == pytest.approx(busy_at_mean_ratio, rel=0.1)
+
+
+def test_a_prompt_step_takes_its_sizes_ratios_or_the_nearest_measured_ones() -> None:
+    steps = ServedSteps(prompt_ratios=((0.9,), (), (1.3,), ()))  # measured: <= 64 and <= 1024 tokens
+    ratios = [steps.ratios_for(StepShape(prefill_tokens=n, prefill_seqs=1)) for n in (10, 64, 65, 256, 700, 5000)]
+    assert ratios == [(0.9,), (0.9,), (1.3,), (1.3,), (1.3,), (1.3,)]  # 65..256: a tie, the larger prompts' wins
+    assert steps.ratios_for(StepShape(decode_seqs=4, decode_context=100)) == (1.0,)
 
 
 def test_quantiles_keep_the_distributions_shape() -> None:
@@ -75,7 +87,7 @@ def test_quantiles_keep_the_distributions_shape() -> None:
 
 
 def test_calibration_recovers_the_dispatch_a_run_was_made_with() -> None:
-    roles = {"both": ServedSteps(prompt_ratios=(1.1, 1.3), decode_ratios=(0.95, 1.05), gap_s=0.0005)}
+    roles = {"both": served((1.1, 1.3), (0.95, 1.05), gap_s=0.0005)}
     requests, truth = load(), HostOverhead(dispatch_s=0.04, roles=roles)
 
     def simulate_with(host: HostOverhead) -> Summary:
@@ -107,8 +119,9 @@ def test_impossible_host_figures_are_refused(figures: dict[str, object]) -> None
         HostOverhead(**figures)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("figures", [{"prompt_ratios": ()}, {"decode_ratios": (float("nan"),)},
-                                     {"prompt_ratios": (1000.0,)}, {"gap_s": -0.1}])
+@pytest.mark.parametrize("figures", [{"prompt_ratios": ((),) * 4}, {"prompt_ratios": ((1.0,),)},
+                                     {"decode_ratios": (float("nan"),)}, {"prompt_ratios": ((1000.0,),) * 4},
+                                     {"gap_s": -0.1}])
 def test_impossible_step_figures_are_refused(figures: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="host overhead"):
         ServedSteps(**figures)  # type: ignore[arg-type]
@@ -137,10 +150,12 @@ def test_a_step_trace_yields_each_roles_ratios_and_gap_without_one_off_outliers(
                                                      (PROMPT, 1.25 * p), (PROMPT, 12.0 * p)])  # the last: a stall
     write_trace(tmp_path / "steps-2.jsonl", "prefill", [(PROMPT, 1.4 * p)] * 3, gap_s=0.5)  # idle between prompts
     roles = served_steps(read_workers([tmp_path]), PRICES, ENGINE)
-    assert roles["both"].prompt_ratios == pytest.approx((1.2, 1.25))
+    assert roles["both"].prompt_ratios[1] == pytest.approx((1.2, 1.25))  # 200 prompt tokens: <= 256
+    assert roles["both"].prompt_ratios[0] == roles["both"].prompt_ratios[2] == ()
     assert roles["both"].decode_ratios == pytest.approx((0.9,) * 20)
     assert roles["both"].gap_s == pytest.approx(0.0005, abs=1e-6) and roles["both"].num_steps == 23
-    assert roles["prefill"].prompt_ratios == pytest.approx((1.4,) * 3) and roles["prefill"].decode_ratios == (1.0,)
+    assert roles["prefill"].prompt_ratios[1] == pytest.approx((1.4,) * 3)
+    assert roles["prefill"].decode_ratios == (1.0,)
     assert roles["prefill"].gap_s == 0.0  # half a second apart is waiting for work, not the loop's cost
 
 
@@ -175,7 +190,8 @@ def test_sim_calibrate_writes_what_sim_run_reads(tmp_path: Path, capsys: pytest.
                  "--out", str(host)]) == 0
     assert "calibrated" in capsys.readouterr().out
     fitted = HostOverhead.load(host)
-    assert fitted.roles["both"].prompt_ratios == pytest.approx((1.3,) * 15, rel=0.02)
+    assert [len(b) for b in fitted.roles["both"].prompt_ratios] == [5, 10, 0, 0]  # 64; 128 and 256 tokens
+    assert all(r == pytest.approx(1.3, rel=0.05) for b in fitted.roles["both"].prompt_ratios for r in b)
     assert fitted.dispatch_s > 0.03 and "measured.json" in fitted.calibrated_on
     replayed = tmp_path / "replayed.json"
     assert main(["sim", "run", *flags, "--trace", str(trace), "--host-overhead", str(host),
