@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -43,6 +44,17 @@ def test_serve_with_a_missing_generation_config_fails_before_any_worker(default_
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1
     assert lines[0].startswith("kvbaton: error: --generation-config /nonexistent: no generation_config.json")
+
+
+def test_serve_on_a_port_in_use_fails_before_any_worker(default_model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _kvbaton("serve", "--port", str(port), timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines[-1].startswith(f"kvbaton: error: cannot serve on 127.0.0.1:{port}: ")
+    assert "--port" in lines[-1] and "kvbaton-both-0" not in result.stderr  # no worker was started
 
 
 def test_missing_weights_dir_is_clear_error(tmp_path):

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,14 +69,33 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               max_n=options.max_n, generation_defaults=defaults,
                               max_kv_session_bytes=options.max_kv_session_bytes,
                               kv_session_secret=cluster_secret())  # the workers' too: deploy is given it
-    return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options))
+    listener = bind_listener(options.host, options.port)  # a port in use fails here, before any worker starts
+    try:
+        return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options, listener))
+    finally:
+        listener.close()
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The HTTP frontend's socket, bound (not yet listening: a client is refused until the workers are up)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait for TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"cannot serve on {host}:{port}: {exc.strerror or exc} (choose another --port or --host)") \
+            from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions) -> int:
+async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions,
+                 listener: socket.socket) -> int:
     # NOTE: uvicorn re-raises the SIGTERM it caught once it has stopped; with the default handler the
     # process would die right there, before `deployment.shutdown()` stops the workers (one still loading
     # its model would outlive us). As an exception it unwinds through the `finally` below.
@@ -88,8 +108,8 @@ async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSet
             autoscaler = _start_autoscaler(app, deployment.router, options.autoscale, options.max_workers)
         server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
                                                timeout_graceful_shutdown=5))
-        _print_banner(settings, options)
-        await server.serve()
+        _print_banner(settings, options.host, listener.getsockname()[1])
+        await server.serve(sockets=[listener])
     finally:
         if autoscaler is not None:
             await autoscaler.stop()
@@ -119,8 +139,8 @@ def _start_autoscaler(app: FastAPI, router: Router, config: AutoscaleConfig, max
 EXAMPLE_QUESTION = "What is photosynthesis? Answer in one sentence."
 
 
-def _print_banner(settings: ServerSettings, options: ServeOptions) -> None:
-    url = f"http://{options.host}:{options.port}"
+def _print_banner(settings: ServerSettings, host: str, port: int) -> None:
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     auth = f" -H 'Authorization: Bearer {'$KVBATON_API_KEY'}'" if settings.api_key else ""
     body = (f'{{"model": "{settings.served_model_name}", '
             f'"messages": [{{"role": "user", "content": "{EXAMPLE_QUESTION}"}}], "max_tokens": 64, "stream": true}}')
