@@ -7,9 +7,9 @@
 First, per worker thread count, the step-latency model (`kvbaton sim profile`, the engine alone); per
 deployment, what serving adds (`kvbaton sim calibrate`, kvbaton.sim.host): served steps over profiled ones,
 per role, measured from the step trace of one calibration load that is none of the loads below, and the
-dispatch delay fitted to that load's TTFT median. Then for each load: start `kvbaton serve` (default model,
-bf16, nothing else on the machine), drive it with `kvbaton bench serve` (fresh seed, --ignore-eos,
---result-json), stop it; replay the recorded run (the same send times and lengths) through the simulator
+median dispatch delay per prompt size beyond that load's replay. Then for each load: start `kvbaton serve`
+(default model, bf16, nothing else on the machine), drive it with `kvbaton bench serve` (fresh seed,
+--ignore-eos, --result-json), stop it; replay the recorded run (the same send times and lengths) through the simulator
 (5 seeds pooled), calibrated and without calibration (the engines alone). Targets (Vidur reports < 9%):
 within 10% at p50 and 15% at p99. The peer here is reality itself: every ratio is simulated / measured.
 

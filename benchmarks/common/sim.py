@@ -24,7 +24,7 @@ from kvbaton.sim.profiled import ProfiledLatency
 from kvbaton.sim.served_steps import read_workers, served_steps
 from kvbaton.sim.simulator import simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec
-from kvbaton.sim.workload import trace_medians, trace_requests
+from kvbaton.sim.workload import trace_medians, trace_requests, trace_ttfts
 
 MAX_MODEL_LEN = 4096
 KV_GB = 2.0
@@ -131,8 +131,8 @@ def ensure_host_overhead(deployment: Deployment, out_dir: Path, model_dir: str, 
     ttft_ms, tpot_ms = trace_medians(trace)
     pool = kv_pool(model_dir, KV_GB)
     roles = served_steps(read_workers([steps]), ProfiledLatency.load(profile), read_json(profile))
-    fit = calibrate(lambda host: replay(deployment, trace, profile, pool, SLO(), host)[0], roles=roles,
-                    measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+    fit = calibrate(lambda host: replay_runs(deployment, trace, profile, pool, host)[0], roles=roles,
+                    measured_ttft_s=trace_ttfts(trace), measured_tpot_p50_ms=tpot_ms,
                     label=f"{trace.name}: {' '.join(deployment.serve_args())}, {' '.join(CALIBRATION_LOAD)}")
     fit.host.save(out_dir / f"{name}.json")
     print(f"   {fit.host.describe()} (TTFT p50 {ttft_ms:.1f} ms, TPOT p50 {tpot_ms:.1f} ms measured; engines alone "
@@ -147,17 +147,24 @@ SEEDS = 5  # replays per measured run, pooled: the simulator's own spread of ser
 def replay(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, int], slo: SLO,
            host: HostOverhead | None = None, seeds: int = SEEDS) -> tuple[Summary, float]:
     """The measured run `trace` (send times, lengths) through the simulated `deployment` (and what serving adds),
-    `seeds` times with different draws of served steps, every request of every replay summarized together;
-    returns the summary and the simulated seconds per replay's wall time."""
+    `seeds` times with different draws of served steps and delays, every request of every replay summarized
+    together; returns the summary and the wall seconds of one replay."""
+    pooled, wall_s = replay_runs(deployment, trace, profile, pool, host or HostOverhead(), seeds)
+    return summarize(pooled, slo), wall_s
+
+
+def replay_runs(deployment: Deployment, trace: Path, profile: Path, pool: tuple[int, int], host: HostOverhead,
+                seeds: int = SEEDS) -> tuple[RunResult, float]:
+    """`replay`'s runs, their records pooled (one replay's request ids repeat in the next)."""
     num_blocks, kv_bytes = pool
     instance = InstanceSpec(latency=ProfiledLatency.load(profile), num_blocks=num_blocks, max_model_len=MAX_MODEL_LEN,
                             kv_bytes_per_token=kv_bytes,
                             scheduler=SchedulerConfig(max_num_batched_tokens=deployment.max_num_batched_tokens))
     cluster = ClusterSpec(decode=instance, num_decode=deployment.num_decode, num_prefill=deployment.num_prefill,
                           link=link_preset(deployment.link), local_prefill_threshold=deployment.local_prefill_threshold,
-                          host=host or HostOverhead())
+                          host=host)
     requests, rate = trace_requests(trace)
     runs = [simulate(cluster, requests, request_rate=rate, seed=seed) for seed in range(seeds)]
     pooled = RunResult(rate, None, fmean(r.result.duration_s for r in runs), sum(r.result.num_planned for r in runs),
                        tuple(rec for r in runs for rec in r.result.records))
-    return summarize(pooled, slo), fmean(r.wall_s for r in runs)
+    return pooled, fmean(r.wall_s for r in runs)

@@ -33,8 +33,8 @@ def add_sim_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentP
     calibrate = sub.add_parser("calibrate", help="measure what serving adds to the engines (for --host-overhead)",
                                description="From one measured `kvbaton bench serve --result-json` run against a "
                                            "server started with --step-trace: each role's served steps over the "
-                                           "profile's prediction, and the dispatch delay that brings the run's "
-                                           "replay to its TTFT median.")
+                                           "profile's prediction, and per prompt size the median delay of the "
+                                           "run's first tokens beyond its replay with those steps.")
     _add_deployment_args(calibrate.add_argument_group("deployment (as the measured run's server)"))
     _add_instance_args(calibrate.add_argument_group("each instance (worker)"))
     calibrate.add_argument("--trace", required=True, metavar="RESULT_JSON", help="the measured run")

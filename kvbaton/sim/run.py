@@ -27,7 +27,7 @@ from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.links import LinkModel, link_preset
 from kvbaton.sim.simulator import SimRun, simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec, SimRequest
-from kvbaton.sim.workload import synthetic_requests, trace_medians, trace_requests
+from kvbaton.sim.workload import synthetic_requests, trace_medians, trace_requests, trace_ttfts
 
 
 def run_simulation(args: argparse.Namespace) -> int:
@@ -70,8 +70,8 @@ def cluster_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def run_calibration(args: argparse.Namespace) -> int:
-    """`kvbaton sim calibrate`: the served steps of `--step-trace` against `--profile`, and the dispatch delay that
-    makes the replay of `--trace` match its TTFT median."""
+    """`kvbaton sim calibrate`: the served steps of `--step-trace` against `--profile`, and the dispatch delays of
+    `--trace`'s requests beyond their replay with those steps."""
     from kvbaton.sim.profiled import ProfiledLatency
     from kvbaton.sim.served_steps import read_workers, served_steps
 
@@ -79,23 +79,23 @@ def run_calibration(args: argparse.Namespace) -> int:
         raise ConfigError("calibration compares served steps with the profile of their engine: give --profile")
     cluster = cluster_from_args(args)
     requests, rate = trace_requests(args.trace)
-    ttft_ms, tpot_ms = trace_medians(args.trace)
+    _, tpot_ms = trace_medians(args.trace)
     profile = json.loads(Path(args.profile).read_text())
     roles = served_steps(read_workers(args.step_trace), ProfiledLatency.load(args.profile), profile)
 
-    def simulate_with(host: HostOverhead) -> Summary:
-        return summarize(simulate(replace(cluster, host=host), requests, request_rate=rate).result, SLO())
+    def replay(host: HostOverhead) -> RunResult:
+        return simulate(replace(cluster, host=host), requests, request_rate=rate).result
 
-    fit = calibrate(simulate_with, roles=roles, measured_ttft_p50_ms=ttft_ms, measured_tpot_p50_ms=tpot_ms,
+    fit = calibrate(replay, roles=roles, measured_ttft_s=trace_ttfts(args.trace), measured_tpot_p50_ms=tpot_ms,
                     label=f"{Path(args.trace).name} ({cluster.label})")
     fit.host.save(Path(args.out))
     print(f"kvbaton sim calibrate: {cluster.label}, {len(requests)} requests of {args.trace}")
     for role, steps in fit.host.roles.items():
         print(f"  {role:<7} {steps.num_steps} served steps: {steps.describe()}")
-    print(f"  measured     TTFT p50 {ttft_ms:8.1f} ms   TPOT p50 {tpot_ms:7.1f} ms")
+    print(f"  measured     TTFT p50 {fit.measured_ttft_p50_ms:8.1f} ms   TPOT p50 {tpot_ms:7.1f} ms")
     print(f"  engines only TTFT p50 {fit.engines_ttft_p50_ms:8.1f} ms   TPOT p50 {fit.engines_tpot_p50_ms:7.1f} ms")
     print(f"  calibrated   TTFT p50 {fit.simulated_ttft_p50_ms:8.1f} ms   TPOT p50 {fit.simulated_tpot_p50_ms:7.1f} ms"
-          f"   (dispatch {fit.host.dispatch_s * 1e3:.1f} ms; TPOT is not fitted)")
+          f"   ({fit.host.describe().split(';')[0]})")
     print(f"host overhead: {args.out}")
     return 0
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvbaton.engine.step_shape import StepShape
 from kvbaton.engine.step_trace import PROFILE_FORMAT, TRACE_FORMAT
-from kvbaton.sim.host import PROMPT_BUCKETS, ServedSteps, prompt_bucket, quantiles
+from kvbaton.sim.host import BUCKET_NAMES, BySize, ServedSteps, prompt_bucket, quantiles
 from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.profiled import ProfiledLatency, ProfileError, ProfileSample
 
@@ -221,7 +221,7 @@ def served_steps(workers: Sequence[TracedWorker], profile: StepLatencyModel,
 
 
 def _served(workers: Sequence[TracedWorker], profile: StepLatencyModel) -> ServedSteps:
-    prompt: list[list[float]] = [[] for _ in range(len(PROMPT_BUCKETS) + 1)]
+    prompt: list[list[float]] = [[] for _ in BUCKET_NAMES]
     decode: list[float] = []
     gaps: list[float] = []
     for w in workers:
@@ -235,7 +235,7 @@ def _served(workers: Sequence[TracedWorker], profile: StepLatencyModel) -> Serve
     prompt_ratios = tuple(_typical(bucket) for bucket in prompt)
     if not any(prompt_ratios):  # a role that never ran a prompt (a decode worker of long prompts only)
         prompt_ratios = ((1.0,), *prompt_ratios[1:])
-    return ServedSteps(prompt_ratios=prompt_ratios, decode_ratios=_typical(decode) or (1.0,),
+    return ServedSteps(prompt_ratios=BySize(prompt_ratios), decode_ratios=_typical(decode) or (1.0,),
                        gap_s=statistics.fmean(gaps) if gaps else 0.0, num_steps=sum(len(w.steps) for w in workers))
 
 

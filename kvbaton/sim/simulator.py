@@ -12,15 +12,17 @@ instances' schedulers are touched exactly where the real system touches them:
                                                  └─ prefill policy ─▶ add_request(remote_decode)
     prefill step samples the first token (TTFT) ─▶ link ─▶ release_held + admit_transferred
 
-What serving adds (`ClusterSpec.host`, nothing by default) is a delay before routing, and each role's served
-steps: a step's seconds are its profiled ones times a ratio drawn from that role's measured ones, plus the
-worker's gap between steps (kvbaton.sim.host). The draws are seeded: a run is the same for the same seed.
+What serving adds (`ClusterSpec.host`, nothing by default) is a delay before routing, drawn per request, and
+each role's served steps: a step's seconds are its profiled ones times a ratio drawn from that role's
+measured ones, plus the worker's gap between steps (kvbaton.sim.host). The draws are seeded: a run is the
+same for the same seed.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -106,6 +108,7 @@ class _Simulation:
                                enable_chunked_prefill=spec.scheduler.enable_chunked_prefill, eos_token_ids=())
         self.flights: dict[str, Flight] = {}
         self.clock = ArrivalClock()
+        self.dispatch_rng = random.Random(f"{seed}/dispatch")
         self.waiting_receives: dict[str, deque[Flight]] = {d.name: deque() for d in self.decoders}  # refused: no room
         self.pending_receives: dict[str, list[Flight]] = {d.name: [] for d in self.decoders}  # its step in flight
         self.counters = {"disaggregated": 0, "local": 0, "refused_receives": 0, "rejected": 0, "invalid": 0}
@@ -166,8 +169,9 @@ class _Simulation:
             self.counters["rejected"] += 1
             flight.fail("rejected", refused, self.now)
             return
-        if self.cluster.host.dispatch_s > 0:  # the frontend's own path to the worker (kvbaton.sim.host)
-            self.at(self.now + self.cluster.host.dispatch_s, lambda: self.dispatch(flight))
+        delay = self.cluster.host.dispatch(len(req.prompt_token_ids), self.dispatch_rng)  # kvbaton.sim.host
+        if delay > 0:
+            self.at(self.now + delay, lambda: self.dispatch(flight))
         else:
             self.dispatch(flight)
 

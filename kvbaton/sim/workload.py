@@ -60,6 +60,17 @@ def trace_requests(path: str | Path, run_index: int = 0, seed: int = 0) -> tuple
     return requests, rate if math.isfinite(rate) else math.inf
 
 
+def trace_ttfts(path: str | Path, run_index: int = 0) -> dict[int, float]:
+    """The measured TTFT in seconds of every request of a `kvbaton bench serve --result-json` run that got a first
+    token, by request id: what calibration compares its replay with."""
+    try:
+        records = json.loads(Path(path).read_text())["runs"][run_index]["records"]
+        return {int(r["request_id"]): float(r["ttft_s"]) for r in records
+                if r.get("status") == "ok" and r.get("ttft_s") is not None}
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ConfigError(f"{path}: no measured requests in run {run_index}: {exc}") from exc
+
+
 def trace_medians(path: str | Path, run_index: int = 0) -> tuple[float, float]:
     """(TTFT p50, TPOT p50) in ms that a `kvbaton bench serve --result-json` run measured: what calibration fits."""
     try:

@@ -6,6 +6,7 @@ dispatch a run was made with, and `kvbaton sim calibrate` writes what `kvbaton s
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -13,12 +14,13 @@ import pytest
 
 from kvbaton.bench.arrivals import ArrivalConfig
 from kvbaton.bench.datasets import DatasetConfig
-from kvbaton.bench.metrics import SLO, Summary, summarize
+from kvbaton.bench.metrics import SLO, summarize
+from kvbaton.bench.records import RunResult
 from kvbaton.cli import main
 from kvbaton.config import ConfigError
 from kvbaton.engine.step_trace import TRACE_FORMAT
 from kvbaton.sim.calibrate import calibrate
-from kvbaton.sim.host import PROMPT_BUCKETS, HostOverhead, ServedSteps, quantiles
+from kvbaton.sim.host import BySize, HostOverhead, ServedSteps, quantiles
 from kvbaton.sim.latency import LinearLatency, StepShape
 from kvbaton.sim.served_steps import read_workers, served_steps
 from kvbaton.sim.simulator import simulate
@@ -33,7 +35,7 @@ ENGINE = {"model": "m", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "thre
 
 def served(prompt: tuple[float, ...] = (1.0,), decode: tuple[float, ...] = (1.0,), gap_s: float = 0.0) -> ServedSteps:
     """Served steps whose prompt steps of every size run `prompt` times their profiled seconds."""
-    return ServedSteps(prompt_ratios=(prompt,) * (len(PROMPT_BUCKETS) + 1), decode_ratios=decode, gap_s=gap_s)
+    return ServedSteps(prompt_ratios=BySize.same(*prompt), decode_ratios=decode, gap_s=gap_s)
 
 
 def load(rate: float = 3.0, n: int = 60) -> list[SimRequest]:
@@ -45,7 +47,7 @@ def test_one_request_pays_the_dispatch_once_and_its_roles_ratios_on_every_step()
     req = [SimRequest(0, 0.0, tuple(range(100, 300)), 8)]
     bare = simulate(CLUSTER, req).result.records[0]
     steps = served((1.5,), (2.0,), gap_s=0.001)
-    host = HostOverhead(dispatch_s=0.05, roles={"both": steps})
+    host = HostOverhead(dispatch_s=BySize.same(0.05), roles={"both": steps})
     record = simulate(replace(CLUSTER, host=host), req).result.records[0]
     assert record.ttft_s == pytest.approx(0.05 + bare.ttft_s * 1.5 + 0.001)  # alone: TTFT is its prefill step
     assert record.itl_s == pytest.approx([gap * 2.0 + 0.001 for gap in bare.itl_s])  # one sequence: a step a token
@@ -74,7 +76,7 @@ def test_draws_are_seeded_and_average_to_the_ratios_mean() -> None:
 
 
 def test_a_prompt_step_takes_its_sizes_ratios_or_the_nearest_measured_ones() -> None:
-    steps = ServedSteps(prompt_ratios=((0.9,), (), (1.3,), ()))  # measured: <= 64 and <= 1024 tokens
+    steps = ServedSteps(prompt_ratios=BySize(((0.9,), (), (1.3,), ())))  # measured: <= 64 and <= 1024 tokens
     ratios = [steps.ratios_for(StepShape(prefill_tokens=n, prefill_seqs=1)) for n in (10, 64, 65, 256, 700, 5000)]
     assert ratios == [(0.9,), (0.9,), (1.3,), (1.3,), (1.3,), (1.3,)]  # 65..256: a tie, the larger prompts' wins
     assert steps.ratios_for(StepShape(decode_seqs=4, decode_context=100)) == (1.0,)
@@ -88,43 +90,49 @@ def test_quantiles_keep_the_distributions_shape() -> None:
 
 def test_calibration_recovers_the_dispatch_a_run_was_made_with() -> None:
     roles = {"both": served((1.1, 1.3), (0.95, 1.05), gap_s=0.0005)}
-    requests, truth = load(), HostOverhead(dispatch_s=0.04, roles=roles)
+    requests, truth = load(), HostOverhead(dispatch_s=BySize.same(0.04), roles=roles)
 
-    def simulate_with(host: HostOverhead) -> Summary:
-        return summarize(simulate(replace(CLUSTER, host=host), requests).result, SLO())
+    def replay(host: HostOverhead) -> RunResult:
+        return simulate(replace(CLUSTER, host=host), requests).result
 
-    measured = simulate_with(truth)
-    assert measured.ttft_ms.p50 is not None and measured.tpot_ms.p50 is not None
-    fit = calibrate(simulate_with, roles=roles, measured_ttft_p50_ms=measured.ttft_ms.p50,
-                    measured_tpot_p50_ms=measured.tpot_ms.p50)
-    assert fit.host.dispatch_s == pytest.approx(truth.dispatch_s, abs=1e-6)  # a shift that moves no schedule
-    assert fit.simulated_tpot_p50_ms == pytest.approx(measured.tpot_ms.p50)
+    measured = replay(truth)
+    ttfts = {r.request_id: r.ttft_s for r in measured.records if r.ttft_s is not None}
+    fit = calibrate(replay, roles=roles, measured_ttft_s=ttfts, measured_tpot_p50_ms=20.0)
+    # every request's delay, measured (a shift that moves no schedule), to the bisection's resolution
+    assert fit.host.dispatch_s.values() == pytest.approx([0.04] * len(fit.host.dispatch_s.values()), abs=1e-4)
+    assert fit.simulated_tpot_p50_ms == pytest.approx(summarize(measured, SLO()).tpot_ms.p50)
     assert fit.engines_tpot_p50_ms < fit.simulated_tpot_p50_ms
 
 
 def test_engines_slower_than_the_measured_run_need_no_dispatch() -> None:
     requests = load()
 
-    def simulate_with(host: HostOverhead) -> Summary:
-        return summarize(simulate(replace(CLUSTER, host=host), requests).result, SLO())
+    def replay(host: HostOverhead) -> RunResult:
+        return simulate(replace(CLUSTER, host=host), requests).result
 
-    fit = calibrate(simulate_with, roles={}, measured_ttft_p50_ms=1.0, measured_tpot_p50_ms=1.0)
+    fit = calibrate(replay, roles={}, measured_ttft_s={r.request_id: 1e-6 for r in requests},
+                    measured_tpot_p50_ms=1.0)
     assert fit.host.is_zero
 
 
-@pytest.mark.parametrize("figures", [{"dispatch_s": -1.0}, {"dispatch_s": float("nan")},
+@pytest.mark.parametrize("figures", [{"dispatch_s": BySize.same(-1.0)}, {"dispatch_s": BySize.same(float("nan"))},
                                      {"roles": {"attention": ServedSteps()}}])
 def test_impossible_host_figures_are_refused(figures: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="host overhead"):
         HostOverhead(**figures)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("figures", [{"prompt_ratios": ((),) * 4}, {"prompt_ratios": ((1.0,),)},
-                                     {"decode_ratios": (float("nan"),)}, {"prompt_ratios": ((1000.0,),) * 4},
-                                     {"gap_s": -0.1}])
+@pytest.mark.parametrize("figures", [{"decode_ratios": (float("nan"),)}, {"decode_ratios": ()},
+                                     {"prompt_ratios": BySize.same(1000.0)}, {"gap_s": -0.1}])
 def test_impossible_step_figures_are_refused(figures: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="host overhead"):
         ServedSteps(**figures)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("buckets", [((),) * 4, ((1.0,),)])
+def test_figures_for_no_prompt_size_or_the_wrong_sizes_are_refused(buckets: tuple[tuple[float, ...], ...]) -> None:
+    with pytest.raises(ConfigError, match="prompt sizes"):
+        BySize(buckets)
 
 
 # ---- step traces: what `kvbaton serve --step-trace` writes, with known seconds --------------------------------------
@@ -150,11 +158,11 @@ def test_a_step_trace_yields_each_roles_ratios_and_gap_without_one_off_outliers(
                                                      (PROMPT, 1.25 * p), (PROMPT, 12.0 * p)])  # the last: a stall
     write_trace(tmp_path / "steps-2.jsonl", "prefill", [(PROMPT, 1.4 * p)] * 3, gap_s=0.5)  # idle between prompts
     roles = served_steps(read_workers([tmp_path]), PRICES, ENGINE)
-    assert roles["both"].prompt_ratios[1] == pytest.approx((1.2, 1.25))  # 200 prompt tokens: <= 256
-    assert roles["both"].prompt_ratios[0] == roles["both"].prompt_ratios[2] == ()
+    assert roles["both"].prompt_ratios.buckets[1] == pytest.approx((1.2, 1.25))  # 200 prompt tokens: <= 256
+    assert roles["both"].prompt_ratios.buckets[0] == roles["both"].prompt_ratios.buckets[2] == ()
     assert roles["both"].decode_ratios == pytest.approx((0.9,) * 20)
     assert roles["both"].gap_s == pytest.approx(0.0005, abs=1e-6) and roles["both"].num_steps == 23
-    assert roles["prefill"].prompt_ratios[1] == pytest.approx((1.4,) * 3)
+    assert roles["prefill"].prompt_ratios.buckets[1] == pytest.approx((1.4,) * 3)
     assert roles["prefill"].decode_ratios == (1.0,)
     assert roles["prefill"].gap_s == 0.0  # half a second apart is waiting for work, not the loop's cost
 
@@ -180,9 +188,11 @@ def test_sim_calibrate_writes_what_sim_run_reads(tmp_path: Path, capsys: pytest.
     trace = tmp_path / "measured.json"
     assert main(["sim", "run", *flags, "--dataset", "random", "--input-len", "200", "--output-len", "16",
                  "--num-prompts", "30", "--request-rate", "2", "--seed", "2", "--result-json", str(trace)]) == 0
-    doc = json.loads(trace.read_text())  # a "measured" run whose TTFT was later than the engines alone
+    doc = json.loads(trace.read_text())  # a "measured" run whose first tokens came later than the engines alone's
     summary = doc["runs"][0]["summary"]
     summary["ttft_ms"]["p50"] += 80.0
+    for record in doc["runs"][0]["records"]:
+        record["ttft_s"] += 0.08
     trace.write_text(json.dumps(doc))
     host = tmp_path / "host.json"
     capsys.readouterr()
@@ -190,15 +200,24 @@ def test_sim_calibrate_writes_what_sim_run_reads(tmp_path: Path, capsys: pytest.
                  "--out", str(host)]) == 0
     assert "calibrated" in capsys.readouterr().out
     fitted = HostOverhead.load(host)
-    assert [len(b) for b in fitted.roles["both"].prompt_ratios] == [5, 10, 0, 0]  # 64; 128 and 256 tokens
-    assert all(r == pytest.approx(1.3, rel=0.05) for b in fitted.roles["both"].prompt_ratios for r in b)
-    assert fitted.dispatch_s > 0.03 and "measured.json" in fitted.calibrated_on
+    assert [len(b) for b in fitted.roles["both"].prompt_ratios.buckets] == [5, 10, 0, 0]  # 64; 128 and 256 tokens
+    assert all(r == pytest.approx(1.3, rel=0.05) for r in fitted.roles["both"].prompt_ratios.values())
+    assert fitted.dispatch(200, random.Random(0)) > 0.03 and "measured.json" in fitted.calibrated_on
     replayed = tmp_path / "replayed.json"
     assert main(["sim", "run", *flags, "--trace", str(trace), "--host-overhead", str(host),
                  "--result-json", str(replayed)]) == 0
     again = json.loads(replayed.read_text())
     assert again["runs"][0]["summary"]["ttft_ms"]["p50"] > summary["ttft_ms"]["p50"] - 80.0
     assert "dispatch" in again["config"]["host_overhead"]
+
+
+def test_a_hand_written_file_may_give_one_delay_for_every_prompt_size(tmp_path: Path) -> None:
+    path = tmp_path / "host.json"
+    path.write_text('{"dispatch_s": 0.02, "roles": {"both": {"prompt_ratios": 1.2, "decode_ratios": [1.0], '
+                    '"gap_s": 0.001}}}')
+    host = HostOverhead.load(path)
+    assert host.dispatch(10, random.Random(0)) == host.dispatch(5000, random.Random(0)) == 0.02
+    assert host.steps_for("decode").ratios_for(PROMPT) == (1.2,)
 
 
 @pytest.mark.parametrize("content", ["not json", '{"dispatch_s": "soon", "roles": {}}',
