@@ -10,7 +10,7 @@ longer prompts, and on a prefill worker whose decode peer computes beside it) wh
 0.9-1.05x, and those ratios held from 0.5 to 3 req/s; so they are measured, per role, from a served
 run's step trace (`ServedSteps`), and a simulated step draws its ratio from them.
 
-    served step = profiled seconds x ratio (drawn from the role's measured ratios of its kind) + gap_s
+    served step = profiled seconds x ratio (drawn from its role's measured ratios, by kind and prompt size) + gap_s
 
 Nothing here comes from first principles: `kvbaton sim calibrate` measures the ratios from a step trace
 (`kvbaton serve --step-trace`) and the delays from that run's TTFTs (kvbaton.sim.calibrate); validation
