@@ -86,7 +86,7 @@ def crossover(ratios: dict[int, float | None]) -> int | None:
 
 
 # Where each ratio comes from: the measurement, the simulator as `kvbaton sim run` is by default (the engines
-# alone, step profiles only), and the simulator with the frontend's costs of `kvbaton sim calibrate`.
+# alone, step profiles only), and the simulator with the set-up's calibration (`kvbaton sim calibrate`).
 SOURCES = {"measured": "", "simulated": "sim_", "calibrated": "simhost_"}
 TITLES = {"measured": "measured", "simulated": "simulated (engines)", "calibrated": "simulated, calibrated"}
 
