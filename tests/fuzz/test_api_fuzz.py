@@ -35,9 +35,13 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.core import NotSet
 from schemathesis.core.failures import Failure, FailureGroup
+from schemathesis.specs.openapi import schemas as _openapi_schemas  # noqa: F401
 from served import Served, served
 
 pytestmark = pytest.mark.slow
+# NOTE: the OpenAPI loader's modules are imported above, at collection, not on the first fuzz run: pytest rewrites
+# a plugin's modules as they are imported, and CPython 3.11.7's ast.parse failed on one of them ("AST constructor
+# recursion depth mismatch", a CPython bug) when it happened deep in a test session.
 
 SEED = int(os.environ.get("KVBATON_FUZZ_SEED", "1010"))
 MAX_EXAMPLES = 150
