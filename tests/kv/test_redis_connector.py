@@ -228,6 +228,31 @@ def test_cancel_and_abort(connectors, store):
     assert data_keys(store, "aborted") == []
 
 
+def test_a_layer_deleted_by_an_abort_reports_the_abort_not_expiry(connectors, store):
+    """The race a clean-clone CI run hit: the receiver takes a layer's notice, the sender aborts and deletes the
+    layer, the receiver finds it gone. Parking the notices replays that order every time."""
+    sender, receiver, src, dst = connectors()
+    parked = f"kvbaton:kvq:parked:{secrets.token_hex(4)}"
+    src_ids, dst_ids = blocks(9)
+    for request_id in ("expired", "aborted"):
+        receiver.expect(request_id, dst_ids, 10.0)
+        sender.begin(spec(request_id, src_ids, dst_ids, parked, sender.layout))
+        sender.save_layer(0, [request_id])
+        peer.poll_until([sender], lambda s: store.llen(parked) == 1)
+        if request_id == "expired":
+            store.delete(*data_keys(store, request_id))  # as redis' TTL would
+        else:
+            sender.abort(request_id)
+            peer.poll_until([sender], lambda s: store.llen(parked) == 2 and not data_keys(store, request_id))
+        while store.lmove(parked, receiver.address):
+            pass
+        (r,) = peer.poll_until([receiver], lambda r: r.ended(request_id))
+        reason = r.failed[request_id]
+        assert ("gave up: aborted by the prefill worker" in reason) == (request_id == "aborted"), reason
+        assert ("is gone from redis" in reason) == (request_id == "expired"), reason
+    assert not any(p.any() for p in dst)
+
+
 def test_layout_mismatch_and_missing_url(connectors, server):
     sender, receiver, src, dst = connectors()
     other = KVLayout.standard(num_layers=peer.LAYERS, block_size=peer.BLOCK * 2, num_kv_heads=peer.HEADS,

@@ -161,6 +161,22 @@ class Receiver(KVReceiver):
         return [got[1], *(self._redis.lpop(self.address, MAX_POPS - 1) or [])]
 
     def _fetch(self, frames: list[bytes]) -> None:
+        taken = self._take(frames)
+        if any(value is None for n, value in taken if isinstance(n, LayerStored)):
+            # An abort queues its notice, then deletes its layers: a layer found gone may be an abort's,
+            # whose reason is then in the list already. Read on (once, bounded) to tell it apart from expiry.
+            taken += self._take(self._redis.lpop(self.address, MAX_POPS) or [])
+        aborted = {n.transfer_id: n.reason for n, _ in taken if isinstance(n, TransferAborted)}
+        for n, value in taken:
+            if isinstance(n, TransferAborted):
+                self._arrivals.put(_Arrival(n, None, f"the prefill side gave up: {n.reason}"))
+            elif value is None and n.transfer_id in aborted:
+                self._arrivals.put(_Arrival(n, None, f"the prefill side gave up: {aborted[n.transfer_id]}"))
+            else:
+                self._arrivals.put(self._check(n, value))
+
+    def _take(self, frames: list[bytes]) -> list[tuple[Notice, bytes | None]]:
+        """The plausible notices among `frames`, each stored layer's with its value (read and deleted)."""
         notices = [n for n in (self._codec.try_decode(f, f"{self.config.worker_name} redis KV") for f in frames)
                    if n is not None and self._plausible(n)]
         stored = [n for n in notices if isinstance(n, LayerStored)]
@@ -168,11 +184,7 @@ class Receiver(KVReceiver):
         for n in stored:
             pipe.getdel(n.key)  # read and delete at once: nothing lingers after its use
         values = iter(pipe.execute() if stored else [])  # in the order of `stored`
-        for n in notices:
-            if isinstance(n, TransferAborted):
-                self._arrivals.put(_Arrival(n, None, f"the prefill side gave up: {n.reason}"))
-            else:
-                self._arrivals.put(self._check(n, next(values)))
+        return [(n, next(values) if isinstance(n, LayerStored) else None) for n in notices]
 
     def _plausible(self, n: Notice) -> bool:
         if isinstance(n, TransferAborted):

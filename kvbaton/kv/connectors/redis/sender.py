@@ -132,12 +132,12 @@ class Sender(KVSender):
     def _write_batch(self, items: list[_Write | _Cleanup]) -> None:
         ttl = self.config.redis_ttl_s
         pipe = self._redis.pipeline(transaction=False)
-        writes = []
+        writes, deletes = [], []
         for item in items:
             t, request_id, num_layers = item.t, item.t.spec.request_id, self.layout.num_layers
             if isinstance(item, _Cleanup):
                 self._dropped.discard(t.transfer_id)  # FIFO: no write of it is left behind this
-                pipe.delete(*[data_key(request_id, t.transfer_id, layer) for layer in range(num_layers)])
+                deletes += [data_key(request_id, t.transfer_id, layer) for layer in range(num_layers)]
                 notice: Notice = TransferAborted(request_id, t.transfer_id, t.dst_digest, item.reason)
             elif t.transfer_id in self._dropped:
                 continue
@@ -150,6 +150,8 @@ class Sender(KVSender):
                 writes.append(item)
             pipe.rpush(t.spec.receiver, self._codec.encode(notice))
             pipe.expire(t.spec.receiver, ttl)  # an abandoned receiver's list goes too
+        if deletes:  # after the abort notices: a receiver that finds a layer gone finds the reason queued
+            pipe.delete(*deletes)
         error = None
         try:
             pipe.execute()
