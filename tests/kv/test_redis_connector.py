@@ -243,10 +243,10 @@ def test_a_layer_deleted_by_an_abort_reports_the_abort_not_expiry(connectors, st
             store.delete(*data_keys(store, request_id))  # as redis' TTL would
         else:
             sender.abort(request_id)
-            peer.poll_until([sender], lambda s: store.llen(parked) == 2 and not data_keys(store, request_id))
+            peer.poll_until([sender], lambda s, rid=request_id: store.llen(parked) == 2 and not data_keys(store, rid))
         while store.lmove(parked, receiver.address):
             pass
-        (r,) = peer.poll_until([receiver], lambda r: r.ended(request_id))
+        (r,) = peer.poll_until([receiver], lambda r, rid=request_id: r.ended(rid))
         reason = r.failed[request_id]
         assert ("gave up: aborted by the prefill worker" in reason) == (request_id == "aborted"), reason
         assert ("is gone from redis" in reason) == (request_id == "expired"), reason

@@ -158,14 +158,18 @@ class Receiver(KVReceiver):
         got = self._redis.blpop([self.address], timeout=POP_TIMEOUT_S)
         if got is None:
             return []
-        return [got[1], *(self._redis.lpop(self.address, MAX_POPS - 1) or [])]
+        return [got[1], *self._pop_more(MAX_POPS - 1)]  # type: ignore[list-item]  # bytes: no decode_responses
+
+    def _pop_more(self, n: int) -> list[bytes]:
+        """Up to `n` more notices, without waiting."""
+        return list(self._redis.lpop(self.address, n) or [])  # type: ignore[arg-type]  # given a count: a list
 
     def _fetch(self, frames: list[bytes]) -> None:
         taken = self._take(frames)
         if any(value is None for n, value in taken if isinstance(n, LayerStored)):
             # An abort queues its notice, then deletes its layers: a layer found gone may be an abort's,
             # whose reason is then in the list already. Read on (once, bounded) to tell it apart from expiry.
-            taken += self._take(self._redis.lpop(self.address, MAX_POPS) or [])
+            taken += self._take(self._pop_more(MAX_POPS))
         aborted = {n.transfer_id: n.reason for n, _ in taken if isinstance(n, TransferAborted)}
         for n, value in taken:
             if isinstance(n, TransferAborted):
