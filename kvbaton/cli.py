@@ -313,6 +313,13 @@ def _add_autoscale_args(serve: argparse.ArgumentParser) -> None:
                    help="after a pool changed, it keeps its size this many seconds")
     g.add_argument("--autoscale-window", type=float, default=60.0, metavar="S",
                    help="TTFT/TPOT percentiles over the requests that finished this recently")
+    g.add_argument("--adapt-threshold", action="store_true",
+                   help="PD: halve --local-prefill-threshold when local prefills slow decoding near the TPOT SLO, "
+                        "double it when the prefill pool misses TTFT and cannot grow")
+    g.add_argument("--min-local-prefill-threshold", type=int, default=16, metavar="TOKENS",
+                   help="with --adapt-threshold: the lowest threshold (default 16)")
+    g.add_argument("--max-local-prefill-threshold", type=int, default=4096, metavar="TOKENS",
+                   help="with --adapt-threshold: the highest threshold (default 4096)")
 
 
 def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
@@ -321,13 +328,19 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
     if not args.autoscale:
         if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None:
             raise ConfigError("--slo-ttft-ms and --slo-tpot-ms are the autoscaler's targets: add --autoscale")
+        if args.adapt_threshold:
+            raise ConfigError("--adapt-threshold is the autoscaler's: add --autoscale")
         return None
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise ConfigError("--autoscale needs --slo-ttft-ms and --slo-tpot-ms")
+    if args.adapt_threshold and args.prefill == 0:
+        raise ConfigError("--adapt-threshold moves PD routing: it needs a prefill pool (--prefill N)")
     return AutoscaleConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000,
                            min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
                            max_decode=args.max_decode, interval_s=args.autoscale_interval,
-                           cooldown_s=args.autoscale_cooldown, window_s=args.autoscale_window)
+                           cooldown_s=args.autoscale_cooldown, window_s=args.autoscale_window,
+                           adapt_threshold=args.adapt_threshold, min_threshold=args.min_local_prefill_threshold,
+                           max_threshold=args.max_local_prefill_threshold)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ from kvbaton.cluster.autoscale_policy import (
     decode_verdict,
     prefill_verdict,
 )
+from kvbaton.cluster.autoscale_threshold import ThresholdDecision, threshold_decision
 from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample
 from kvbaton.disagg.router import Router
 from kvbaton.disagg.spec import WorkerRole
@@ -62,6 +63,10 @@ class Autoscaler:
         self._acting: dict[Pool, asyncio.Task] = {}
         self._logged: dict[Pool, tuple[Any, ...]] = {}
         self._task: asyncio.Task | None = None
+        self.threshold: ThresholdDecision | None = None  # the last local-prefill threshold decision
+        self.threshold_listeners: list[Callable[[ThresholdDecision], None]] = []
+        self._threshold_changed_at: float | None = None
+        self._threshold_logged: tuple[Any, ...] = ()
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -125,6 +130,30 @@ class Autoscaler:
             if entry is not None:
                 self._changed_at[pool] = now
                 self._acting[pool] = asyncio.create_task(self._act(decision, entry))
+        if self.config.adapt_threshold and Pool.PREFILL in self.pools:
+            self._tune_threshold(now, m, states[Pool.PREFILL])
+
+    def _tune_threshold(self, now: float, m: Measurements, prefill: PoolState) -> None:
+        """Move the local-prefill threshold from the decode workers' measured interference (see
+        kvbaton.cluster.autoscale_threshold); logged, exported and kept in the history like a scaling decision."""
+        high = self.config.max_prefill
+        can_grow = prefill.room > 0 and (high is None or prefill.num_workers + prefill.num_starting < high)
+        since = None if self._threshold_changed_at is None else now - self._threshold_changed_at
+        d = threshold_decision(self.config, m, self.router.config.local_prefill_threshold, can_grow, since)
+        self.threshold = d
+        key = (d.current, d.target, d.held_by)
+        logger.log(logging.INFO if key != self._threshold_logged else logging.DEBUG, "%s", d.describe())
+        self._threshold_logged = key
+        for listener in self.threshold_listeners:
+            listener(d)
+        if not d.changed:
+            return
+        self.router.set_local_prefill_threshold(d.target)
+        self._flights.prefill_threshold = d.target
+        self._threshold_changed_at = now
+        self.history.append({"at": time.time(), "pool": "local_prefill_threshold",
+                             "action": "down" if d.target < d.current else "up", "from": d.current, "to": d.target,
+                             "reason": d.reason, "workers": [], "result": "applied"})
 
     def _record(self, d: Decision, m: Measurements) -> dict[str, Any] | None:
         """Log, export and remember `d`; a scaling decision's history entry (its outcome to be filled in)."""
@@ -188,6 +217,11 @@ class Autoscaler:
                                  "target": last.target if last else state.num_workers,
                                  "last_decision": dataclasses.asdict(last) if last else None,
                                  "seconds_since_change": state.seconds_since_change}
+        threshold = None
+        if self.config.adapt_threshold and Pool.PREFILL in self.pools:
+            threshold = {"tokens": self.router.config.local_prefill_threshold,
+                         "last_decision": dataclasses.asdict(self.threshold) if self.threshold else None}
         return {"config": dataclasses.asdict(self.config), "max_workers": self.max_workers, "pools": pools,
+                "local_prefill_threshold": threshold,
                 "measurements": dataclasses.asdict(self.measured) if self.measured else None,
                 "scaling": list(self.history)}

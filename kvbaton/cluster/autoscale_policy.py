@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbaton.config import ConfigError
+from kvbaton.engine.info import DecodeStepTimes
 
 
 class Pool(str, enum.Enum):
@@ -62,6 +63,11 @@ class AutoscaleConfig:
     down_fill: float = 0.6  # scale down only if the smaller pool would run at most this full
     kv_high: float = 0.9  # KV usage that is pressure to scale up (preemptions come next)
     queue_high: float = 1.0  # colocated: mean waiting requests per worker that are pressure to scale up
+    # PD: move the local-prefill threshold from measured interference (see kvbaton.cluster.autoscale_threshold)
+    adapt_threshold: bool = False
+    min_threshold: int = 16  # tokens: the threshold halves no lower
+    max_threshold: int = 4096  # ... and doubles no higher
+    interference_high: float = 0.15  # share of decoding's step time that local prefills may take
 
     def __post_init__(self) -> None:
         if not (self.slo_ttft_s > 0 and self.slo_tpot_s > 0):
@@ -79,6 +85,11 @@ class AutoscaleConfig:
             raise ConfigError(f"need 0 < down_fill ({self.down_fill}) < up_fill ({self.up_fill}): the hysteresis")
         if not (0 < self.kv_high <= 1 and self.queue_high > 0):
             raise ConfigError("need 0 < kv_high <= 1 and queue_high > 0")
+        if not 0 <= self.min_threshold <= self.max_threshold:
+            raise ConfigError(f"need 0 <= --min-local-prefill-threshold ({self.min_threshold}) <= "
+                              f"--max-local-prefill-threshold ({self.max_threshold})")
+        if not 0 < self.interference_high < 1:
+            raise ConfigError(f"need 0 < interference_high ({self.interference_high}) < 1")
 
     def bounds(self, pool: Pool) -> tuple[int, int | None]:
         return (self.min_prefill, self.max_prefill) if pool == Pool.PREFILL else (self.min_decode, self.max_decode)
@@ -106,6 +117,7 @@ class Measurements:
     input_tps: float = 0.0  # prompt tokens arriving per second, last interval
     input_tps_window: float = 0.0  # ... over the window
     prefill_capacity_tps: float | None = None  # prompt tokens per busy prefill-worker second (None: not seen busy)
+    decode_steps: DecodeStepTimes | None = None  # PD: the decode workers' steps over the last interval
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbaton.cluster.autoscale_policy import AutoscaleConfig, Measurements, Pool, PoolLoad, feasible_batch
 from kvbaton.disagg.flight import Flight
 from kvbaton.disagg.worker_pool import WorkerHandle
+from kvbaton.engine.info import DecodeStepTimes
 from kvbaton.engine.request_output import RequestOutput
 
 
@@ -36,13 +37,15 @@ class PoolSample:
     prefill: RoleLoad | None  # None: no prefill pool
     batch: float  # running requests per decode worker: what one worker's TPOT depends on
     busy_prefill: int  # prefill workers with a prompt running or waiting
+    decode_steps: Mapping[str, DecodeStepTimes] = field(default_factory=dict)  # PD: per decode worker, cumulative
 
     @classmethod
     def of(cls, at: float, decode: Sequence[WorkerHandle], prefill: Sequence[WorkerHandle] | None) -> PoolSample:
         running = sum(w.load.stats.num_running for w in decode)
         busy = sum(1 for w in prefill or () if w.load.stats.num_running + w.load.stats.num_waiting > 0)
+        steps = {w.name: w.load.stats.decode_steps for w in decode} if prefill is not None else {}
         return cls(at=at, decode=RoleLoad.of(decode), prefill=None if prefill is None else RoleLoad.of(prefill),
-                   batch=running / len(decode) if decode else 0.0, busy_prefill=busy)
+                   batch=running / len(decode) if decode else 0.0, busy_prefill=busy, decode_steps=steps)
 
 
 class FlightWatch:
@@ -138,7 +141,23 @@ class LoadWindow:
             decode=_pool_load(num_workers[Pool.DECODE], [s.decode for s in recent]), prefill=prefill,
             input_tps=sum(n for t, n in self.arrivals if t >= now - c.interval_s) / c.interval_s,
             input_tps_window=sum(n for _, n in self.arrivals) / elapsed if elapsed > 0 else 0.0,
-            prefill_capacity_tps=sum(n for _, n in self.prefilled) / busy_s if busy_s >= 1.0 else None)
+            prefill_capacity_tps=sum(n for _, n in self.prefilled) / busy_s if busy_s >= 1.0 else None,
+            decode_steps=_steps_over(samples[-len(recent) - 1:]) if prefill is not None and recent else None)
+
+
+def _steps_over(samples: Sequence[PoolSample]) -> DecodeStepTimes:
+    """The decode workers' steps over `samples`, each worker's from the first sample that shows it (one that
+    joined meanwhile counts from then) to the last; one that restarted (its counters went back) or left counts
+    nothing."""
+    total, firsts = DecodeStepTimes(), dict[str, DecodeStepTimes]()
+    for sample in samples:
+        for name, times in sample.decode_steps.items():
+            firsts.setdefault(name, times)
+    for name, now in samples[-1].decode_steps.items():
+        delta = now.since(firsts[name])
+        if min(delta.decode_only_steps, delta.mixed_steps) >= 0:
+            total += delta
+    return total
 
 
 def _pool_load(num_workers: int, loads: Sequence[RoleLoad]) -> PoolLoad:

@@ -90,10 +90,10 @@ class Router:
                          "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0}
         self._deadlines: asyncio.Task | None = None
         # the probes behind /admin/diagnostics/* (`kvbaton doctor`)
-        self.diagnostics = PoolDiagnostics(pool, {
-            "local_prefill_threshold": config.local_prefill_threshold, "prefill_policy": config.prefill_policy,
-            "decode_policy": config.decode_policy, "transfer_deadline_s": config.transfer_deadline_s,
-            "block_size": block_size}, self.counters)
+        self._routing = {"local_prefill_threshold": config.local_prefill_threshold,
+                         "prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy,
+                         "transfer_deadline_s": config.transfer_deadline_s, "block_size": block_size}
+        self.diagnostics = PoolDiagnostics(pool, self._routing, self.counters)
 
     # ---- lifecycle and pool administration ---------------------------------------------------
 
@@ -197,6 +197,14 @@ class Router:
         flight = self.flights.pop(request_id, None)
         if flight is not None:
             await self._stop_attempt(flight, FinishReason.ABORT)
+
+    def set_local_prefill_threshold(self, tokens: int) -> None:
+        """From now on, prompts with fewer uncached tokens prefill on their decode worker (the autoscaler's
+        lever against prefill interference); requests already dispatched keep their route."""
+        if tokens < 0:
+            raise ValueError(f"the local-prefill threshold must be >= 0, got {tokens}")
+        self.config = replace(self.config, local_prefill_threshold=tokens)
+        self._routing["local_prefill_threshold"] = tokens
 
     # ---- dispatch --------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ import torch
 from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, ModelConfig
 from kvbaton.engine.expert_parallel import ExpertParallelGroup
 from kvbaton.engine.expert_stats import ExpertStats
-from kvbaton.engine.info import EngineInfo, EngineStats, ExpertLoad, validate_request
+from kvbaton.engine.info import DecodeStepTimes, EngineInfo, EngineStats, ExpertLoad, validate_request
 from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.outputs import (
@@ -159,6 +159,7 @@ class EngineCore:
 
             compile_model(self.runner)
         self.step_trace = self._open_step_trace(kv_transfer) if config.step_trace_dir else None
+        self._decode_steps = DecodeStepTimes()  # what local prefills cost decoding (stats())
 
     def cost_description(self) -> dict[str, object]:
         """What a step's cost depends on besides its shape: the head of a step profile and of a step trace."""
@@ -288,8 +289,11 @@ class EngineCore:
         new_blocks = self.kv_cache.drain_new_blocks()
         if self.store is not None:
             self._store_step(sched, time.perf_counter() - start, new_blocks)
+        shape, seconds = StepShape.of(sched.scheduled), time.perf_counter() - scheduled_at
+        if shape.decode_seqs:
+            self._decode_steps = self._decode_steps.add(mixed=shape.prefill_tokens > 0, seconds=seconds)
         if self.step_trace is not None:  # timed as `sim profile` times a step: from scheduling on
-            self.step_trace.record(StepShape.of(sched.scheduled), time.perf_counter() - scheduled_at)
+            self.step_trace.record(shape, seconds)
         return StepResult(outputs, model_output.failed_transfers, refused)
 
     def _store_step(self, sched: SchedulerOutput, seconds: float, new_blocks: list[tuple[BlockHash, int]]) -> None:
@@ -368,7 +372,7 @@ class EngineCore:
                            num_preemptions=self.scheduler.num_preemptions,
                            kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
                            kv_store=tuple(self.store.stats()) if self.store is not None else (),
-                           expert_load=self._expert_load())
+                           expert_load=self._expert_load(), decode_steps=self._decode_steps)
 
     def _expert_load(self) -> ExpertLoad | None:
         if self.expert_stats is None:

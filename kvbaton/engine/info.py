@@ -55,6 +55,44 @@ class ExpertLoad:
                    steps=max(p.steps for p in parts))
 
 
+@dataclass(frozen=True)
+class DecodeStepTimes:
+    """Cumulative wall time of the steps that advanced decoding sequences: those that only decoded, and the
+    mixed ones that also computed prompt tokens (a local prefill chunked in). Their difference is what
+    prefill interference costs decoding, which the autoscaler weighs against the local-prefill threshold."""
+
+    decode_only_steps: int = 0
+    decode_only_s: float = 0.0
+    mixed_steps: int = 0
+    mixed_s: float = 0.0
+
+    def add(self, mixed: bool, seconds: float) -> DecodeStepTimes:
+        if mixed:
+            return DecodeStepTimes(self.decode_only_steps, self.decode_only_s, self.mixed_steps + 1,
+                                   self.mixed_s + seconds)
+        return DecodeStepTimes(self.decode_only_steps + 1, self.decode_only_s + seconds, self.mixed_steps,
+                               self.mixed_s)
+
+    def since(self, earlier: DecodeStepTimes) -> DecodeStepTimes:
+        return DecodeStepTimes(self.decode_only_steps - earlier.decode_only_steps,
+                               self.decode_only_s - earlier.decode_only_s, self.mixed_steps - earlier.mixed_steps,
+                               self.mixed_s - earlier.mixed_s)
+
+    def __add__(self, other: DecodeStepTimes) -> DecodeStepTimes:
+        return DecodeStepTimes(self.decode_only_steps + other.decode_only_steps,
+                               self.decode_only_s + other.decode_only_s, self.mixed_steps + other.mixed_steps,
+                               self.mixed_s + other.mixed_s)
+
+    @property
+    def prefill_share(self) -> float | None:
+        """The share of decoding's time that went to prompt tokens computed alongside: a mixed step's time
+        beyond a decode-only step's mean, over all of it (None: no decode-only step to compare with)."""
+        if not self.decode_only_steps or not self.mixed_steps:
+            return None if not self.decode_only_steps else 0.0
+        extra = max(0.0, self.mixed_s - self.mixed_steps * self.decode_only_s / self.decode_only_steps)
+        return extra / (self.decode_only_s + self.mixed_s)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineStats:
     """One engine's (or, summed, one pool's) load and cache counters, as of its last step."""
@@ -70,6 +108,7 @@ class EngineStats:
     kv_store_hit_tokens: int = 0  # prompt tokens loaded from the KV store instead of computed
     kv_store: tuple[TierStats, ...] = ()  # per tier, fastest first
     expert_load: ExpertLoad | None = None  # MoE models only
+    decode_steps: DecodeStepTimes = DecodeStepTimes()
 
     @classmethod
     def total(cls, parts: list[EngineStats], cache_parts: list[EngineStats] | None = None) -> EngineStats:
@@ -87,7 +126,8 @@ class EngineStats:
                    prefix_cache_hit_tokens=sum(s.prefix_cache_hit_tokens for s in cache),
                    num_preemptions=sum(s.num_preemptions for s in parts),
                    kv_store_hit_tokens=sum(s.kv_store_hit_tokens for s in cache),
-                   kv_store=merge_tier_stats([t for s in cache for t in s.kv_store]))
+                   kv_store=merge_tier_stats([t for s in cache for t in s.kv_store]),
+                   decode_steps=sum((s.decode_steps for s in parts), DecodeStepTimes()))
         # NOTE: no expert_load: summed on every step it would cost layers x experts adds; GET /experts sums it
 
     @property

@@ -122,7 +122,9 @@ def _start_autoscaler(app: FastAPI, router: Router, config: AutoscaleConfig, max
     (an admin route: guarded as /workers is)."""
     server = app.state.server
     autoscaler = Autoscaler(router, config, max_workers)
-    autoscaler.listeners.append(AutoscalerMetrics(server.metrics.registry, server.settings.served_model_name).observe)
+    metrics = AutoscalerMetrics(server.metrics.registry, server.settings.served_model_name)
+    autoscaler.listeners.append(metrics.observe)
+    autoscaler.threshold_listeners.append(metrics.observe_threshold)
     server.metrics.finished_listeners.append(autoscaler.observe_finished)
     logging.getLogger(autoscaler.__module__).setLevel(logging.INFO)  # NOTE: its decisions show at the default level
 

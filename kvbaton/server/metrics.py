@@ -9,6 +9,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbaton.cluster.autoscale_policy import Action, Decision, Measurements
+from kvbaton.cluster.autoscale_threshold import ThresholdDecision
 from kvbaton.engine.info import EngineStats
 from kvbaton.engine.request_output import RequestOutput
 
@@ -144,6 +145,14 @@ class AutoscalerMetrics:
                           "its sizes and reason as labels", labels + ["action", "from_workers", "to_workers", "reason"],
                           registry=registry)
         self._last: dict[str, tuple[str, ...]] = {}  # pool -> the labels of its one `last` series
+        self.threshold = Gauge("kvbaton:local_prefill_threshold_tokens", "PD: prompts with fewer uncached tokens "
+                               "prefill on their decode worker (moved by `--adapt-threshold`)", ["model_name"],
+                               registry=registry)
+        self.threshold_changes = Counter("kvbaton:autoscaler_threshold_changes", "Local-prefill threshold changes "
+                                         "from measured interference", ["model_name", "direction"], registry=registry)
+        self.interference = Gauge("kvbaton:decode_prefill_interference", "PD: the share of the decode workers' step "
+                                  "time that local prefills took over the last interval", ["model_name"],
+                                  registry=registry)
 
     def observe(self, d: Decision, seen: Measurements) -> None:
         m, pool = self._model, d.pool.value
@@ -153,9 +162,16 @@ class AutoscalerMetrics:
                                 ("feasible_batch", seen.feasible_batch), ("input_tokens_per_second", seen.input_tps)):
             if value is not None:
                 self.measured.labels(m, quantity).set(value)
+        if seen.decode_steps is not None and seen.decode_steps.prefill_share is not None:
+            self.interference.labels(m).set(seen.decode_steps.prefill_share)
         if d.action == Action.HOLD:
             return
         if pool in self._last:
             self.last.remove(*self._last[pool])
         self._last[pool] = (m, pool, d.action.value, str(d.current), str(d.target), d.reason)
         self.last.labels(*self._last[pool]).set(time.time())
+
+    def observe_threshold(self, d: ThresholdDecision) -> None:
+        self.threshold.labels(self._model).set(d.target)
+        if d.changed:
+            self.threshold_changes.labels(self._model, "down" if d.target < d.current else "up").inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import inspect
 import textwrap
 
@@ -26,9 +27,11 @@ from kvbaton.cluster.autoscale_policy import (
     feasible_batch,
     prefill_verdict,
 )
+from kvbaton.cluster.autoscale_threshold import threshold_decision
 from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample, RoleLoad, p99
 from kvbaton.config import ConfigError
 from kvbaton.disagg.flight import Flight
+from kvbaton.engine.info import DecodeStepTimes
 from kvbaton.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
 
@@ -242,6 +245,89 @@ def test_flight_watch_counts_arrivals_and_prompts_through_a_prefill_worker():
     assert watch.scan({}) == (0, 0)
 
 
+# ---- the local-prefill threshold -----------------------------------------------------------------
+
+THRESHOLD = AutoscaleConfig(slo_ttft_s=1.0, slo_tpot_s=0.1, interval_s=1.0, cooldown_s=5.0, window_s=10.0,
+                            adapt_threshold=True, min_threshold=16, max_threshold=1024, interference_high=0.15)
+
+
+def steps(mixed: int, mixed_ms: float, decode_only: int = 100, decode_ms: float = 10.0) -> DecodeStepTimes:
+    return DecodeStepTimes(decode_only, decode_only * decode_ms / 1000, mixed, mixed * mixed_ms / 1000)
+
+
+def test_prefill_share_is_the_mixed_steps_time_beyond_a_decode_only_step():
+    times = steps(mixed=10, mixed_ms=60.0)  # 1 s decode-only, 0.6 s mixed of which 0.1 s decoding's own
+    assert times.prefill_share == pytest.approx(0.5 / 1.6)
+    assert steps(mixed=10, mixed_ms=8.0).prefill_share == 0.0  # mixed steps no slower: no interference
+    assert steps(mixed=0, mixed_ms=0.0).prefill_share == 0.0
+    assert DecodeStepTimes(0, 0.0, 5, 0.3).prefill_share is None  # nothing to compare with
+    later = times + steps(mixed=1, mixed_ms=100.0, decode_only=3)
+    assert dataclasses.astuple(later.since(times)) == pytest.approx((3, 0.03, 1, 0.1))
+
+
+def pd(tpot: float | None, ttft: float | None = 0.2, *, share_steps: DecodeStepTimes | None, waiting: float = 0.0
+       ) -> Measurements:
+    return measured(load(1, 2.0), tpot=tpot, ttft=ttft, prefill=load(1, 1.0, waiting=waiting),
+                    decode_steps=share_steps)  # type: ignore[arg-type]
+
+
+INTERFERING, QUIET = steps(mixed=20, mixed_ms=60.0), steps(mixed=20, mixed_ms=11.0)  # shares 0.5 / 0.02
+
+
+@pytest.mark.parametrize("tpot, ttft, steps_, waiting, can_grow, want", [
+    (0.09, 0.2, INTERFERING, 0.0, True, 64),  # interference near the TPOT SLO: halve
+    (0.12, 0.2, INTERFERING, 0.0, True, 64),  # ... over it too
+    (0.05, 0.2, INTERFERING, 0.0, True, 128),  # TPOT calm: interference is harmless
+    (0.09, 0.2, QUIET, 0.0, True, 128),  # TPOT near, but not from local prefills
+    (0.09, 2.0, INTERFERING, 3.0, True, 128),  # the prefill pool misses TTFT itself: no more prompts for it
+    (0.05, 2.0, QUIET, 3.0, False, 256),  # prefill pool misses TTFT, cannot grow, decoding calm: double
+    (0.05, 2.0, QUIET, 3.0, True, 128),  # ... but it can grow: adding prefill workers is the pool's answer
+    (0.05, 2.0, QUIET, 0.0, False, 128),  # TTFT missed without prompts waiting for prefill
+    (0.09, 2.0, QUIET, 3.0, False, 128),  # decoding near its SLO: keep the prompts off it
+    (None, None, None, 0.0, True, 128),  # nothing measured
+])
+def test_threshold_moves_from_measured_interference(tpot, ttft, steps_, waiting, can_grow, want):
+    d = threshold_decision(THRESHOLD, pd(tpot, ttft, share_steps=steps_, waiting=waiting), 128, can_grow, None)
+    assert d.target == want and d.changed == (want != 128) and not d.held_by
+    assert ("lower" if want < 128 else "raise" if want > 128 else "hold") in d.describe()
+    if steps_ is not None:
+        assert "local prefills took" in d.reason and "TPOT p99" in d.reason
+
+
+def test_threshold_bounds_and_cooldown():
+    near = pd(0.09, share_steps=INTERFERING)
+    assert threshold_decision(THRESHOLD, near, 20, True, None).target == 16  # halves no lower than the minimum
+    at_min = threshold_decision(THRESHOLD, near, 16, True, None)
+    assert at_min.target == 16 and at_min.held_by == "min_threshold"
+    assert "--min-local-prefill-threshold" in at_min.reason
+    cooling = threshold_decision(THRESHOLD, near, 128, True, 2.0)
+    assert cooling.target == 128 and cooling.held_by == "cooldown" and "wanted 64" in cooling.reason
+    assert threshold_decision(THRESHOLD, near, 128, True, 6.0).target == 64  # the cooldown is over
+    pressed = pd(0.05, 2.0, share_steps=QUIET, waiting=3.0)
+    assert threshold_decision(THRESHOLD, pressed, 1000, False, None).target == 1024
+    assert threshold_decision(THRESHOLD, pressed, 0, False, None).target == 16  # from 0, to the minimum
+    outside = threshold_decision(THRESHOLD, pressed, 4096, False, None)  # started above the maximum: never lowered
+    assert outside.target == 4096 and outside.held_by == "max_threshold"
+
+
+def test_the_window_measures_decode_steps_over_the_last_interval_per_worker():
+    w = LoadWindow(window_s=10.0)
+
+    def at(t: float, **workers: DecodeStepTimes) -> PoolSample:
+        return dataclasses.replace(sample(t, 2, 0), decode_steps=workers)
+
+    w.add_sample(at(100.0, d0=steps(0, 0.0, decode_only=10)), 0, 0)
+    w.add_sample(at(100.5, d0=steps(2, 50.0, decode_only=20), d1=steps(5, 50.0)), 0, 0)  # d1 joins
+    w.add_sample(at(101.0, d0=steps(4, 50.0, decode_only=30), d1=steps(9, 50.0, decode_only=150)), 0, 0)
+    m = w.measure(101.0, CONFIG, 16, {Pool.DECODE: 2, Pool.PREFILL: 1})
+    # the interval is [100, 101]: d0 from its 100.0 counters, d1 from its first sample (it joined at 100.5)
+    assert dataclasses.astuple(m.decode_steps) == pytest.approx((20 + 50, 0.2 + 0.5, 4 + 4, 0.2 + 0.2))
+    w.add_sample(at(101.5, d0=steps(0, 0.0, decode_only=1)), 0, 0)  # d0 restarted: its counters went back
+    m = w.measure(101.5, CONFIG, 16, {Pool.DECODE: 1, Pool.PREFILL: 1})
+    assert m.decode_steps == DecodeStepTimes()  # a restarted worker tells nothing until its next sample
+    assert w.measure(101.5, CONFIG, 16, {Pool.DECODE: 1}).decode_steps is None  # colocated: no threshold
+
+
 # ---- one code path for every launcher --------------------------------------------------------
 
 
@@ -267,6 +353,10 @@ def test_the_autoscaler_acts_only_through_the_router():
     (["--autoscale", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--min-decode", "3", "--max-decode", "2"],
      "--min-decode 3 is above --max-decode 2"),
     (["--slo-ttft-ms", "500"], "add --autoscale"),
+    (["--adapt-threshold"], "--adapt-threshold is the autoscaler's: add --autoscale"),
+    (["--autoscale", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--adapt-threshold"], "needs a prefill pool"),
+    (["--autoscale", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--prefill", "1", "--adapt-threshold",
+      "--min-local-prefill-threshold", "512", "--max-local-prefill-threshold", "256"], "<= --max-local-prefill"),
     (["--autoscale", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50", "--expert-parallel-size", "2"],
      "expert-parallel"),
 ])

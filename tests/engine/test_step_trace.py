@@ -97,3 +97,26 @@ def test_an_unwritable_trace_directory_is_the_command_lines_error(tmp_path: Path
     assert main(["generate", "--step-trace", str(blocker / "sub"), "--max-tokens", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--step-trace" in err
+
+
+def test_the_engine_times_decode_only_and_mixed_steps_as_its_trace_does(tiny_models: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """stats().decode_steps (what the autoscaler weighs local prefills by) counts the traced steps that decoded:
+    with no prompt tokens, and with some (a prompt arriving while another request decodes)."""
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", num_threads=1, block_size=4, step_trace_dir=str(tmp_path))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.0)
+    engine = llm.engine
+    engine.add_request("first", {"prompt_token_ids": PROMPTS[0]}, params)
+    engine.step()  # its prompt
+    engine.add_request("second", {"prompt_token_ids": PROMPTS[1]}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    times = engine.stats().decode_steps
+    engine.core.close()
+    _, steps = steps_of(tmp_path)
+    by_kind = {kind: [s["seconds"] for s in steps if StepShape(**s["shape"]).kind == kind]
+               for kind in ("decode", "mixed")}
+    assert times.mixed_steps == len(by_kind["mixed"]) >= 1 and times.decode_only_steps == len(by_kind["decode"]) >= 1
+    assert times.mixed_s == pytest.approx(sum(by_kind["mixed"])) and times.decode_only_s == pytest.approx(
+        sum(by_kind["decode"]))
+    assert 0.0 <= times.prefill_share < 1.0
