@@ -7,13 +7,16 @@ A thread reads it into a bounded buffer, whose tail goes into failure messages.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 from server_harness import kvbaton_server
 
 
@@ -38,3 +41,24 @@ def served(*args: str) -> Iterator[Served]:
         lines: deque = deque(maxlen=2000)
         threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
         yield Served(base, proc, lines)
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict) -> dict:
+    """One streamed /v1/completions request (`body` must ask for the usage chunk): its status, completion tokens,
+    finish reason, error chunks and the arrival time of each token chunk."""
+    times, finish, errors, tokens = [], None, [], None
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        if resp.status_code != 200:
+            return {"status": resp.status_code, "error": (await resp.aread()).decode()[:300]}
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                errors.append(chunk["error"])
+            elif chunk["choices"]:
+                times.append(time.monotonic())
+                finish = chunk["choices"][0]["finish_reason"] or finish
+            else:  # the usage chunk
+                tokens = chunk["usage"]["completion_tokens"]
+    return {"status": 200, "tokens": tokens, "finish": finish, "errors": errors, "times": times}

@@ -108,8 +108,9 @@ def print_plan(result: PlanResult, console: Console) -> None:
                       f"GPUs), {rec.per_device:.3f} req/s per GPU; {load.qps:g} QPS needs {devices} GPUs")
     if result.disaggregation is not None:
         d = result.disaggregation
-        extra = f", prefill locally below {d.local_prefill_threshold} uncached tokens" \
-            if d.local_prefill_threshold else ""
+        extra = f", prefill locally below {d.local_prefill_threshold} uncached tokens (serve --local-prefill-" \
+            f"threshold {d.local_prefill_threshold}; --autoscale --adapt-threshold moves it with the measured " \
+            "interference)" if d.local_prefill_threshold else ""
         console.print(f"[bold]disaggregation[/bold]: {d.mode.value}{extra} ({d.reason})")
 
 

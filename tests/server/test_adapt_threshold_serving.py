@@ -15,13 +15,12 @@ its tokens.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from served import Served, served
+from served import Served, served, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +39,9 @@ def _prompt(user: int, i: int) -> str:
 
 
 async def _one(client: httpx.AsyncClient, prompt: str) -> dict:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
-    finish, errors, tokens = None, [], None
-    async with client.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            return {"status": resp.status_code, "error": (await resp.aread()).decode()[:300]}
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                errors.append(chunk["error"])
-            elif chunk["choices"]:
-                finish = chunk["choices"][0]["finish_reason"] or finish
-            else:
-                tokens = chunk["usage"]["completion_tokens"]
-    return {"status": 200, "tokens": tokens, "finish": finish, "errors": errors}
+    return await stream_completion(client, body)
 
 
 def _routing(base: str) -> dict:

@@ -18,14 +18,13 @@ completes with all its tokens; /metrics and GET /admin/autoscaler show the decis
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from served import Served, served
+from served import Served, served, stream_completion
 
 pytestmark = pytest.mark.slow
 
@@ -66,26 +65,13 @@ class Load:
             self.results.append(await self._one(f"User {user} asks question {i}: tell me about the sea."))
 
     async def _one(self, prompt: str) -> dict:
-        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
-        start, times, finish, errors, tokens = time.monotonic(), [], None, [], None
-        async with self.client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                return {"status": resp.status_code, "error": (await resp.aread()).decode()[:300]}
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    errors.append(chunk["error"])
-                elif chunk["choices"]:
-                    times.append(time.monotonic())
-                    finish = chunk["choices"][0]["finish_reason"] or finish
-                else:  # the usage chunk
-                    tokens = chunk["usage"]["completion_tokens"]
+        start = time.monotonic()
+        result = await stream_completion(self.client, body)
+        times = result.get("times", [])
         tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-        return {"status": 200, "tokens": tokens, "finish": finish, "errors": errors, "start": start,
-                "tpot": tpot}
+        return {**result, "start": start, "tpot": tpot}
 
 
 def _joined(base: str) -> list[dict]:
