@@ -10,6 +10,10 @@ Three set-ups of `kvbaton serve` on the default model (bf16), each given this ma
     replicas  --decode 2 --threads 1               (two colocated replicas behind the same router)
     single    --threads 2 --max-num-batched-tokens 256   (one worker, chunked prefill)
 
+and, named in --setups, the adaptive local-prefill threshold: `pd-local` (every prompt prefilled on the
+decode worker), and the same under `serve --autoscale --adapt-threshold` at a TPOT SLO of 100 ms
+(`pd-adaptive`) or 50 ms (`pd-adaptive-tight`); their routing and threshold changes are reported.
+
 The same `kvbaton bench serve --dataset mixed` workload (same seed: the same prompts and
 arrival times) runs against each, one after another, nothing else on the machine. Reported:
 TTFT and TPOT p50/p99 and goodput (requests/s meeting both SLOs, DistServe's definition)
@@ -41,7 +45,23 @@ SETUPS = {
            "--local-prefill-threshold", "256"],
     "replicas": ["--decode", "2", "--threads", "1"],
     "single": ["--threads", "2", "--max-num-batched-tokens", "256"],
+    # the adaptive threshold's start: every prompt prefilled on the decode worker
+    "pd-local": ["--prefill", "1", "--decode", "1", "--threads", "1", "--kv-transport", "shm",
+                 "--local-prefill-threshold", "2048"],
 }
+
+
+def adaptive(slo_tpot_ms: int) -> list[str]:
+    """pd-local under `--adapt-threshold`: the threshold halves while local prefills slow decoding near the TPOT
+    SLO (both pools pinned to one worker, so nothing else moves)."""
+    return [*SETUPS["pd-local"], "--autoscale", "--slo-ttft-ms", "10000", "--slo-tpot-ms", str(slo_tpot_ms),
+            "--min-prefill", "1", "--max-prefill", "1", "--min-decode", "1", "--max-decode", "1", "--adapt-threshold",
+            "--min-local-prefill-threshold", "64", "--max-local-prefill-threshold", "2048", "--autoscale-interval",
+            "5", "--autoscale-cooldown", "10", "--autoscale-window", "30"]
+
+
+SETUPS["pd-adaptive"] = adaptive(100)
+SETUPS["pd-adaptive-tight"] = adaptive(50)  # an SLO the all-local start misses by more: the threshold must move
 COMMON_ARGS = ["--dtype", "bfloat16", "--max-model-len", "4096", "--kv-cache-memory-gb", "2"]
 
 
@@ -108,6 +128,14 @@ def write_report(doc: dict, path: Path) -> None:
                            f"goodput@{s} {row['goodput'][s]:.3f} vs 0" for s in slos)
             lines.append(f"- {name}: TPOT p99 {row['tpot_p99'] / base['tpot_p99']:.2f}x, "
                          f"TTFT p99 {row['ttft_p99'] / base['ttft_p99']:.2f}x, {gp}")
+    routed = {name: row["routing"] for name, row in doc["setups"].items() if "routing" in row}
+    if routed:
+        lines += ["", "PD routing (requests through the prefill worker / prefilled locally; the threshold at the "
+                  "end, and its changes under `--adapt-threshold`):", ""]
+        for name, r in routed.items():
+            changes = "; ".join(r.get("threshold_changes", [])) or "none"
+            lines.append(f"- {name}: {r['disaggregated']} / {r['local']}, threshold {r['threshold_at_end']}; "
+                         f"changes: {changes}")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -119,6 +147,8 @@ def parse_args() -> PdWorkload:
     ap.add_argument("--rate", type=float, default=None)
     ap.add_argument("--seed", type=int, default=None, help="workload seed (default: fresh random, printed)")
     ap.add_argument("--tpot-slos-ms", default="150,300", help="comma-separated TPOT SLOs for goodput")
+    ap.add_argument("--report", default=None, help="the markdown report's name in benchmarks/results "
+                                                   "(default pd.md, or pd-quick.md with --quick)")
     args = ap.parse_args()
     # NOTE: the rate is below saturation on 2 cores (at 1 req/s every set-up queues and TPOT is
     # queueing, not interference); the question is what a long prefill does to the decodes around it.
@@ -126,7 +156,7 @@ def parse_args() -> PdWorkload:
                       rate=args.rate or 0.4, seed=fresh_seed() if args.seed is None else args.seed,
                       tpot_slos_ms=[float(x) for x in args.tpot_slos_ms.split(",")], long_fraction=0.15,
                       long_len=512 if args.quick else 1024, short_len=64, output_len=32 if args.quick else 64,
-                      ttft_slo_ms=10_000.0)
+                      ttft_slo_ms=10_000.0, report=args.report)
 
 
 def run_setup(name: str, w: PdWorkload, run_stamp: str, model_dir: str) -> dict:
@@ -143,13 +173,28 @@ def run_setup(name: str, w: PdWorkload, run_stamp: str, model_dir: str) -> dict:
             run = run_load(server.base_url, w, RESULTS_DIR / f"pd-{run_stamp}-{name}-load.json", model_dir)
             workers = httpx.get(f"{server.base_url}/workers", timeout=5, trust_env=False).json()["workers"]
             row = score(run, w, SETUPS[name], workers)
+            routing = _routing(server.base_url) if "--prefill" in SETUPS[name] else None
     except RuntimeError as exc:  # did not start
         return {"error": str(exc)}
     except (subprocess.CalledProcessError, KeyError, ValueError) as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     print(f"   TTFT p50/p99 {row.ttft_p50:.0f}/{row.ttft_p99:.0f} ms, TPOT p50/p99 "
           f"{row.tpot_p50:.1f}/{row.tpot_p99:.1f} ms, goodput {row.goodput}", flush=True)
-    return to_json(row)
+    if routing is not None:
+        print(f"   routing {routing}", flush=True)
+    return {**to_json(row), **({"routing": routing} if routing is not None else {})}
+
+
+def _routing(base: str) -> dict:
+    """A PD set-up's routing counters and threshold, and (with --adapt-threshold) the threshold's changes."""
+    r = httpx.get(f"{base}/admin/diagnostics/routing", timeout=5, trust_env=False).json()
+    out = {"threshold_at_end": r["local_prefill_threshold"], "disaggregated": r["counters"]["disaggregated"],
+           "local": r["counters"]["local"]}
+    view = httpx.get(f"{base}/admin/autoscaler", timeout=5, trust_env=False)
+    if view.status_code == 200:
+        out["threshold_changes"] = [f"{s['from']}->{s['to']}: {s['reason']}" for s in view.json()["scaling"]
+                                    if s["pool"] == "local_prefill_threshold"]
+    return out
 
 
 def main() -> None:
@@ -168,7 +213,7 @@ def main() -> None:
         doc["setups"][name] = run_setup(name, w, run_stamp, model_dir)
     doc["wall_s"] = time.monotonic() - t0
     write_json(RESULTS_DIR / f"pd-{run_stamp}.json", doc, indent=1)
-    md = RESULTS_DIR / ("pd-quick.md" if w.quick else "pd.md")
+    md = RESULTS_DIR / (w.report or ("pd-quick.md" if w.quick else "pd.md"))
     write_report(doc, md)
     print(md.read_text())
 

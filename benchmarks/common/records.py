@@ -238,6 +238,7 @@ class PdWorkload:
     short_len: int
     output_len: int
     ttft_slo_ms: float
+    report: str | None = None  # the markdown report's name (None: pd.md / pd-quick.md)
 
 
 @dataclass(frozen=True, kw_only=True)
