@@ -136,7 +136,7 @@ class Autoscaler:
     def _tune_threshold(self, now: float, m: Measurements, prefill: PoolState) -> None:
         """Move the local-prefill threshold from the decode workers' measured interference (see
         kvbaton.cluster.autoscale_threshold); logged, exported and kept in the history like a scaling decision."""
-        high = self.config.max_prefill
+        _, high = self.config.bounds(Pool.PREFILL)
         can_grow = prefill.room > 0 and (high is None or prefill.num_workers + prefill.num_starting < high)
         since = None if self._threshold_changed_at is None else now - self._threshold_changed_at
         d = threshold_decision(self.config, m, self.router.config.local_prefill_threshold, can_grow, since)

@@ -53,9 +53,9 @@ class DiagnosticBusy(EngineError):
 
 
 class PoolDiagnostics:
-    def __init__(self, pool: WorkerPool, routing: dict[str, Any], counters: dict[str, int]) -> None:
+    def __init__(self, pool: WorkerPool, routing: Callable[[], dict[str, Any]], counters: dict[str, int]) -> None:
         self.pool = pool
-        self._routing, self._counters = routing, counters
+        self._routing, self._counters = routing, counters  # routing(): the router's settings as they are now
         self._waiting: dict[tuple[str, str, type], asyncio.Future] = {}  # (probe id, worker, reply kind)
         self._lock = asyncio.Lock()
 
@@ -67,7 +67,7 @@ class PoolDiagnostics:
     def routing(self) -> dict[str, Any]:
         """How the router splits prompts between the pools, and how it went so far."""
         live = [w for w in self.pool.workers.values() if w.routable]
-        return {**self._routing, "kv_transport": self.pool.connector.transport,
+        return {**self._routing(), "kv_transport": self.pool.connector.transport,
                 "num_prefill": sum(w.role == WorkerRole.PREFILL for w in live),
                 "num_decode": sum(w.role.decodes for w in live), "counters": dict(self._counters)}
 

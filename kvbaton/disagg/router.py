@@ -90,10 +90,7 @@ class Router:
                          "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0}
         self._deadlines: asyncio.Task | None = None
         # the probes behind /admin/diagnostics/* (`kvbaton doctor`)
-        self._routing = {"local_prefill_threshold": config.local_prefill_threshold,
-                         "prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy,
-                         "transfer_deadline_s": config.transfer_deadline_s, "block_size": block_size}
-        self.diagnostics = PoolDiagnostics(pool, self._routing, self.counters)
+        self.diagnostics = PoolDiagnostics(pool, self._routing_settings, self.counters)
 
     # ---- lifecycle and pool administration ---------------------------------------------------
 
@@ -204,7 +201,12 @@ class Router:
         if tokens < 0:
             raise ValueError(f"the local-prefill threshold must be >= 0, got {tokens}")
         self.config = replace(self.config, local_prefill_threshold=tokens)
-        self._routing["local_prefill_threshold"] = tokens
+
+    def _routing_settings(self) -> dict[str, Any]:
+        c = self.config
+        return {"local_prefill_threshold": c.local_prefill_threshold, "prefill_policy": c.prefill_policy,
+                "decode_policy": c.decode_policy, "transfer_deadline_s": c.transfer_deadline_s,
+                "block_size": self.pool.engine_config.cache.block_size}
 
     # ---- dispatch --------------------------------------------------------------------------
 

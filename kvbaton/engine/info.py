@@ -67,21 +67,18 @@ class DecodeStepTimes:
     mixed_s: float = 0.0
 
     def add(self, mixed: bool, seconds: float) -> DecodeStepTimes:
-        if mixed:
-            return DecodeStepTimes(self.decode_only_steps, self.decode_only_s, self.mixed_steps + 1,
-                                   self.mixed_s + seconds)
-        return DecodeStepTimes(self.decode_only_steps + 1, self.decode_only_s + seconds, self.mixed_steps,
-                               self.mixed_s)
+        return self + (DecodeStepTimes(0, 0.0, 1, seconds) if mixed else DecodeStepTimes(1, seconds))
 
     def since(self, earlier: DecodeStepTimes) -> DecodeStepTimes:
-        return DecodeStepTimes(self.decode_only_steps - earlier.decode_only_steps,
-                               self.decode_only_s - earlier.decode_only_s, self.mixed_steps - earlier.mixed_steps,
-                               self.mixed_s - earlier.mixed_s)
+        return self._combine(earlier, -1)
 
     def __add__(self, other: DecodeStepTimes) -> DecodeStepTimes:
-        return DecodeStepTimes(self.decode_only_steps + other.decode_only_steps,
-                               self.decode_only_s + other.decode_only_s, self.mixed_steps + other.mixed_steps,
-                               self.mixed_s + other.mixed_s)
+        return self._combine(other, 1)
+
+    def _combine(self, other: DecodeStepTimes, sign: int) -> DecodeStepTimes:
+        return DecodeStepTimes(self.decode_only_steps + sign * other.decode_only_steps,
+                               self.decode_only_s + sign * other.decode_only_s,
+                               self.mixed_steps + sign * other.mixed_steps, self.mixed_s + sign * other.mixed_s)
 
     @property
     def prefill_share(self) -> float | None:
