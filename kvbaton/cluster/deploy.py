@@ -6,6 +6,7 @@ worker of role `both`, replicas are several `both` workers, PD is prefill + deco
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import functools
@@ -140,13 +141,14 @@ def make_launcher(spec: DeploymentSpec, secret: bytes) -> Launcher:
     return LocalLauncher(secret, spec.log_dir)
 
 
-async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpec,
+async def deploy(engine: EngineConfig, tokenizer: Tokenizer | Callable[[], Tokenizer], spec: DeploymentSpec,
                  secret: bytes | None = None) -> Deployment:
     """Start everything `spec` asks for and return once every worker has joined; on failure,
-    whatever was started is stopped again before the error propagates."""
+    whatever was started is stopped again before the error propagates. `tokenizer` may be a function that
+    loads it: it then loads (in a thread) while the workers start."""
     secret = secret or cluster_secret()
     cleanups: list[Callable[[], None]] = []
-    router: Router | None = None
+    pool: WorkerPool | None = None
     try:
         redis_url = spec.redis_url
         if spec.kv_transport == "redis" and redis_url is None:
@@ -164,11 +166,19 @@ async def deploy(engine: EngineConfig, tokenizer: Tokenizer, spec: DeploymentSpe
                                   allow_insecure_transport=spec.allow_insecure_kv_transport)
         pool = WorkerPool(engine, launcher, secret, spec.pool, connector, host=host,
                           encrypt_traffic=spec.encrypt_traffic, prefill_engine=prefill_engine(engine, spec))
-        router = Router(pool, tokenizer, spec.router)
-        await router.start(spec.num_prefill, spec.num_decode)
+        # NOTE: the workers load their model while this process loads the tokenizer (each takes seconds)
+        pool_start = asyncio.ensure_future(pool.start(spec.num_prefill, spec.num_decode))
+        try:
+            loaded = tokenizer if isinstance(tokenizer, Tokenizer) else await asyncio.to_thread(tokenizer)
+        except BaseException:
+            pool_start.cancel()
+            await asyncio.gather(pool_start, return_exceptions=True)
+            raise
+        router = Router(pool, loaded, spec.router)
+        await router.started(pool_start)
     except BaseException:
-        if router is not None:
-            await router.shutdown()
+        if pool is not None:
+            await pool.shutdown()
         run_cleanups(cleanups)
         raise
     return Deployment(router, cleanups)

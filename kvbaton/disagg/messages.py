@@ -139,6 +139,7 @@ class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
     layout: KVLayout
     receiver: str | None  # its KV receiver's address (decode / both roles)
     load: WorkerLoad
+    startup: dict[str, float] = {}  # where its start went: seconds per phase, in order (`platform.startup`)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

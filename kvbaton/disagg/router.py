@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -95,7 +95,12 @@ class Router:
     # ---- lifecycle and pool administration ---------------------------------------------------
 
     async def start(self, num_prefill: int, num_decode: int) -> None:
-        await self.pool.start(num_prefill, num_decode)
+        await self.started(self.pool.start(num_prefill, num_decode))
+
+    async def started(self, pool_start: Awaitable[None]) -> None:
+        """Serve once `pool_start` is done: the pool's start, begun before this router was built (the workers
+        load their model while the frontend loads its tokenizer)."""
+        await pool_start
         if self.config.request_timeout_s > 0:
             self._deadlines = asyncio.create_task(self._enforce_deadlines())
 

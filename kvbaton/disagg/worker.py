@@ -58,10 +58,11 @@ from kvbaton.disagg.spec import ROUTER_NAME, SPEC_ENV, WorkerSpec
 from kvbaton.engine.core import EngineCore
 from kvbaton.engine.outputs import TransferFailure
 from kvbaton.engine.sampling_params import InvalidRequestError
-from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
+from kvbaton.engine.tokenizer import eos_token_ids
 from kvbaton.models.registry import resolve_model
 from kvbaton.paths import cache_root
 from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
+from kvbaton.platform.startup import StartupClock
 from kvbaton.wire import (
     MAX_CONTROL_FRAME_BYTES,
     SECRET_ENV,
@@ -125,9 +126,14 @@ class Worker:
     def run(self) -> None:
         self.send(WorkerHello(name=self.name, role=self.spec.role, index=self.spec.index, pid=os.getpid(),
                               address=self.address, info=self.core.info, layout=self.core.kv_layout,
-                              receiver=self.core.receiver_address, load=self._load()))
+                              receiver=self.core.receiver_address, load=self._load(),
+                              startup=self.core.startup.phases))
         logger.info("%s ready: commands on %s", self.name, self.address)
         self._heartbeat.start()
+        # NOTE: after the hello, not before: a served engine expects structured requests, so their compiler's
+        # tokenizer loads now, in its own thread, rather than with the first such request; a request needs
+        # none of it before its first token, so the worker does not wait for it to join the pool
+        self.core.grammars.start()
         while self.running:
             if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 logger.error("launcher is gone; exiting")
@@ -262,12 +268,10 @@ def router_peer(spec: WorkerSpec) -> Peer:
     return Peer(ROUTER_NAME, session)
 
 
-def build_core(spec: WorkerSpec, role: Role, secret: bytes) -> EngineCore:
+def build_core(spec: WorkerSpec, role: Role, secret: bytes, startup: StartupClock | None = None) -> EngineCore:
     model_dir = resolve_model(spec.engine.model)
-    eos = eos_token_ids(ModelConfig.from_dir(model_dir), Tokenizer(model_dir))
-    core = EngineCore(worker_engine_config(spec), model_dir, eos, role.kv_transfer(spec, secret))
-    core.grammars.start()  # a served engine expects structured requests: their compiler loads while it waits
-    return core
+    eos = eos_token_ids(ModelConfig.from_dir(model_dir), model_dir)
+    return EngineCore(worker_engine_config(spec), model_dir, eos, role.kv_transfer(spec, secret), startup)
 
 
 def worker_engine_config(spec: WorkerSpec) -> EngineConfig:
@@ -291,11 +295,14 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
     # NOTE: SIGTERM (a launcher's polite stop) unwinds like SIGINT, so sockets, shared-memory
     # segments and connector threads are released in `finally`.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    startup = StartupClock.since_exec()
     set_compute_threads(spec.engine.num_threads)
-    core = build_core(spec, role_of(spec.role), secret)
+    core = build_core(spec, role_of(spec.role), secret, startup)
     freeze_long_lived_objects()
     ctx = zmq.Context()
     worker = Worker(spec, secret, core, ctx, exit_with_parent)
+    startup.lap("sockets")
+    logger.debug("%s started in %.2f s: %s", spec.name, startup.total_s, startup.summary())
     try:
         worker.run()
     finally:

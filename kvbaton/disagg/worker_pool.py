@@ -89,6 +89,8 @@ class WorkerHandle:
     alive: bool = True
     draining: bool = False
     attempts: set[str] = field(default_factory=set)  # attempt ids it works on
+    ready_after_s: float | None = None  # from its launch to its hello (None: launched by another pool)
+    startup: dict[str, float] = field(default_factory=dict)  # its own account of its start, per phase
 
     @property
     def load_score(self) -> float:
@@ -109,7 +111,8 @@ class WorkerHandle:
                 "address": self.address, "healthy": self.alive, "draining": self.draining,
                 "num_running": s.num_running, "num_waiting": s.num_waiting, "num_receiving": self.load.num_receiving,
                 "num_sending": self.load.num_sending, "kv_cache_usage": s.kv_cache_usage,
-                "in_flight": len(self.attempts), "compute_path": self.info.compute_path, "kv_dtype": self.layout.dtype}
+                "in_flight": len(self.attempts), "compute_path": self.info.compute_path, "kv_dtype": self.layout.dtype,
+                "ready_after_s": self.ready_after_s, "startup_s": self.startup}
 
 
 class PoolListener(Protocol):
@@ -154,6 +157,7 @@ class WorkerPool:
         self._ep_groups: dict[str, str] = {}  # worker name -> its expert-parallel group
         self._stats_listeners: list[StatsListener] = []
         self._hello = asyncio.Event()
+        self._launched_at: dict[str, float] = {}  # worker name -> when it was launched (monotonic), until its hello
         self._integrity: dict[str, asyncio.Future] = {}
         self._guard = TaskGuard(self._fail)
         self.supervisor = Supervisor(config.restart, self._relaunch, self._health_changed, self._guard.spawn)
@@ -186,6 +190,7 @@ class WorkerPool:
     async def _add_unit(self, role: WorkerRole) -> list[str]:
         engine = self.prefill_engine_config if role == WorkerRole.PREFILL else self.engine_config
         specs = self._unit_specs(role, engine)
+        self._launched_at.update((spec.name, time.monotonic()) for spec in specs)
         # NOTE: off the event loop: a Ray launch waits for its placement group. A group's ranks are all
         # launched before any is waited for: each waits for the others at its rendezvous.
         if len(specs) > 1:
@@ -373,12 +378,17 @@ class WorkerPool:
         socket.setsockopt(zmq.LINGER, 0)
         curve_client(socket, self._curve)
         socket.connect(msg.address)
+        launched = self._launched_at.pop(msg.name, None)
+        ready_after = None if launched is None else time.monotonic() - launched
         self.workers[msg.name] = WorkerHandle(name=msg.name, role=msg.role, index=msg.index, pid=msg.pid,
                                               address=msg.address, info=msg.info, layout=msg.layout,
-                                              receiver=msg.receiver, load=msg.load, socket=socket)
+                                              receiver=msg.receiver, load=msg.load, socket=socket,
+                                              ready_after_s=ready_after, startup=dict(msg.startup))
         if self.info is None:
             self.info = msg.info
-        logger.info("%s joined (pid %d, %s)", msg.name, msg.pid, msg.address)
+        after = "" if ready_after is None else f" {ready_after:.1f} s after its launch"
+        start = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in msg.startup.items())
+        logger.info("%s ready%s (pid %d, %s; its start in s: %s)", msg.name, after, msg.pid, msg.address, start)
         self._publish_stats()
         self._hello.set()
 
@@ -447,6 +457,7 @@ class WorkerPool:
         """The supervisor's restart: start `spec`'s worker again and wait for its hello. On failure
         (it exited, it timed out, we are shutting down) nothing of it is left running."""
         # NOTE: shielded: a launch cancelled half-way must still finish, so that what it started is killed.
+        self._launched_at[spec.name] = time.monotonic()
         launch = asyncio.ensure_future(asyncio.to_thread(self.launcher.launch, spec))
         try:
             await asyncio.shield(launch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,9 @@ from kvbaton.engine.structured.grammar import GrammarCompiler
 from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.engine.transfers import KVHandoff, Reservation
 from kvbaton.kernels import cpu_kernels
+from kvbaton.kernels.build import sources_digest
 from kvbaton.kernels.linear import amx_enabled
+from kvbaton.kernels.pack_cache import PACK_CACHE_ENV, PackCache, pack_key
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.hashing import BlockHash
 from kvbaton.kv.layout import QUANTIZED, KVLayout
@@ -51,6 +54,7 @@ from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
 from kvbaton.platform.compute import ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import FEATURES, detect_cpu
+from kvbaton.platform.startup import StartupClock
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +87,9 @@ def trace_role(kv_transfer: KVTransferConfig | None) -> str:
 def _grammar_compiler(model_dir: Path, info: EngineInfo, runner: ModelRunner) -> GrammarCompiler:
     """The grammar compiler for this model's tokenizer, and the runner's matchers over it (built with the
     first structured request, or at a served worker's start)."""
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.engine.tokenizer import tokenizer_json
 
-    compiler = GrammarCompiler.for_tokenizer(lambda: Tokenizer(model_dir).backend.to_str(), info.vocab_size,
+    compiler = GrammarCompiler.for_tokenizer(functools.partial(tokenizer_json, model_dir), info.vocab_size,
                                              info.eos_token_ids)
     runner.grammars = GrammarMatchers(compiler, info.vocab_size, info.eos_token_ids,
                                       num_threads=max(1, torch.get_num_threads()))
@@ -113,7 +117,8 @@ def model_kv_layout(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_ca
 
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: Path, eos_token_ids: tuple[int, ...],
-                 kv_transfer: KVTransferConfig | None = None) -> None:
+                 kv_transfer: KVTransferConfig | None = None, startup: StartupClock | None = None) -> None:
+        clock = startup or StartupClock()  # where the start goes (a worker's is logged and sent with its hello)
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
         self.dtype = resolve_dtype(config.dtype)
@@ -127,11 +132,16 @@ class EngineCore:
                               f"per-head K and V; {self.model_config.architecture}'s multi-head latent attention "
                               "has none (its attention is PyTorch's): leave --deterministic off")
         self.compute_plan = self._choose_compute_plan()
+        clock.lap("config")
         model = load_model(model_dir, self.dtype, max_model_len)
+        clock.lap("weights")
         self.expert_stats = ExpertStats.of(model, config.expert_load_window_steps)  # None: a dense model
         # before packing: only local experts get packed
         self.expert_parallel = self._join_expert_parallel(model_dir)
-        apply_compute_plan(model, self.compute_plan)
+        if self.expert_parallel is not None:
+            clock.lap("expert parallel")  # its rendezvous and shard
+        apply_compute_plan(model, self.compute_plan, self._pack_cache(model_dir))
+        clock.lap("compute plan")
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.kv_cache_memory_gb * 2**30 // self.kv_layout.bytes_per_block))
         self.info = EngineInfo(max_model_len=max_model_len, vocab_size=self.model_config.vocab_size,
@@ -141,6 +151,7 @@ class EngineCore:
                                eos_token_ids=eos_token_ids, compute_path=self.compute_plan.summary())
         pools = self._allocate_pools(num_blocks, kv_transfer)
         self.store = build_store(config.kv_store, model_dir, pools)
+        clock.lap("kv pools")
         write_back = self.store is not None and config.kv_store.write_policy == "write-back"
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        on_evict=self.store.save_evicted if write_back and self.store else None)
@@ -160,6 +171,8 @@ class EngineCore:
             compile_model(self.runner)
         self.step_trace = self._open_step_trace(kv_transfer) if config.step_trace_dir else None
         self._decode_steps = DecodeStepTimes()  # what local prefills cost decoding (stats())
+        clock.lap("engine")
+        self.startup = clock
 
     def cost_description(self) -> dict[str, object]:
         """What a step's cost depends on besides its shape: the head of a step profile and of a step trace."""
@@ -190,6 +203,14 @@ class EngineCore:
         group = ExpertParallelGroup(ep)
         group.shard(self.expert_stats, model_dir, self.model_config.hidden_size)
         return group
+
+    def _pack_cache(self, model_dir: Path) -> PackCache | None:
+        """Packed layouts kept on disk from an earlier start of this model under this plan (`kernels.pack_cache`);
+        None with KVBATON_PACK_CACHE=0 (each start packs: what the cold-start benchmark compares against)."""
+        if os.environ.get(PACK_CACHE_ENV, "1") == "0":
+            return None
+        extra = {"dtype": str(self.dtype), "expert_parallel": repr(self.config.expert_parallel)}
+        return PackCache.for_model(model_dir, pack_key(model_dir, self.compute_plan.summary(), sources_digest(), extra))
 
     def _choose_compute_plan(self) -> ComputePlan:
         cpu = detect_cpu()

@@ -24,7 +24,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         model_config = ModelConfig.from_dir(self.model_dir)  # fails first, with the clearest error
         self.tokenizer = Tokenizer(self.model_dir)
-        self.eos_token_ids = eos_token_ids(model_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(model_config, self.model_dir)
         set_compute_threads(config.num_threads)
         self.core = EngineCore(config, self.model_dir, self.eos_token_ids)
         freeze_long_lived_objects()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -47,14 +48,57 @@ class Tokenizer:
         return DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
-def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+def eos_token_ids(model_config: ModelConfig, model_dir: str | Path) -> tuple[int, ...]:
     """EOS ids from the checkpoint config, its generation_config.json and the tokenizer, merged."""
     # NOTE: some checkpoints list their end-of-turn token (e.g. Llama 3 Instruct's <|eot_id|>) only in
     # generation_config.json; without it generation runs on past the answer.
-    ids = set(model_config.eos_token_ids) | set(generation_eos_token_ids(tokenizer.model_dir))
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
+    ids = set(model_config.eos_token_ids) | set(generation_eos_token_ids(Path(model_dir)))
+    eos = tokenizer_eos_token_id(model_dir)
+    if eos is not None:
+        ids.add(eos)
     return tuple(sorted(ids))
+
+
+def tokenizer_eos_token_id(model_dir: str | Path) -> int | None:
+    """The tokenizer's EOS id, as `AutoTokenizer(model_dir).eos_token_id` gives it, read from its files with
+    `tokenizers` alone where it can be: a worker needs no more of the tokenizer than this, and importing
+    transformers' tokenizer stack costs it ~1.5 s of its start."""
+    model_dir = Path(model_dir)
+    token = _configured_eos_token(model_dir)
+    if (model_dir / "tokenizer.json").is_file() and token is not None:
+        from tokenizers import Tokenizer as FastTokenizer
+
+        token_id = FastTokenizer.from_file(str(model_dir / "tokenizer.json")).token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return Tokenizer(model_dir).eos_token_id  # a SentencePiece-only or unusual tokenizer: transformers decides
+
+
+def tokenizer_json(model_dir: str | Path) -> str:
+    """The tokenizer serialised as HF tokenizer.json text, as the grammar engine takes it: the checkpoint's own
+    file where it has one (what transformers' fast tokenizer serialises back, without the ~1.5-5 s it takes to
+    import and build one), else transformers' conversion of its tokenizer."""
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer as FastTokenizer
+
+        return FastTokenizer.from_file(str(path)).to_str()  # NOTE: parsed, so a bad file fails here, not later
+    return Tokenizer(model_dir).backend.to_str()
+
+
+def _configured_eos_token(model_dir: Path) -> str | None:
+    """The EOS token's text from tokenizer_config.json, else special_tokens_map.json (a string, or an
+    AddedToken's dict with its `content`)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        token = json.loads(path.read_text()).get("eos_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            return token
+    return None
 
 
 def _one_text(out: object) -> str:

@@ -83,6 +83,17 @@ def _build(out: Path, compiler: str) -> None:
 
 
 @functools.cache
+def sources_digest() -> str:
+    """The kernels' version: a digest of their sources and flags (what packed layouts kept on disk are keyed by)."""
+    digest = hashlib.sha256()
+    for s in (*SOURCES, *HEADERS):
+        digest.update(Path(__file__).with_name(s).read_bytes())
+    flags = (*CFLAGS, *LDFLAGS, repr(sorted(SOURCE_FLAGS.items())))
+    digest.update(" ".join(flags).encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
     if os.environ.get("KVBATON_KERNELS", "1") == "0":
         return None
@@ -90,11 +101,8 @@ def cpu_kernels() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: using the PyTorch attention path (slower on CPU)")
         return None
-    digest = hashlib.sha256()
-    for s in (*SOURCES, *HEADERS):
-        digest.update(Path(__file__).with_name(s).read_bytes())
-    flags = (*CFLAGS, *LDFLAGS, repr(sorted(SOURCE_FLAGS.items())))
-    digest.update(" ".join(flags).encode() + compiler.encode() + _cpu_fingerprint().encode())
+    digest = hashlib.sha256(sources_digest().encode())
+    digest.update(compiler.encode() + _cpu_fingerprint().encode())
     out = kernels_dir() / f"libkvbaton_cpu-{digest.hexdigest()[:16]}.so"
     try:
         if not out.exists():

@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
 from kvbaton.kernels.build import cpu_kernels
 
 MAX_LINEAR_ROWS = 8  # linear_bf16.c's MAX_ROWS
+
+# Gives a packed weight: calls its argument (which packs) or returns the same bytes kept from an earlier start
+# (`kernels.pack_cache`).
+Packer = Callable[[Callable[[], torch.Tensor]], torch.Tensor]
+
+
+def pack_now(make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The packer without a cache: pack."""
+    return make()
 
 
 class SmallBatchLinear:
@@ -72,7 +82,7 @@ class PackedLinear:
     the GEMM's epilogue (bf16 only)."""
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed_dtype: torch.dtype, gated: bool = False) -> None:
+                 packed_dtype: torch.dtype, gated: bool = False, packer: Packer = pack_now) -> None:
         if packed_dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"weights can be packed as bfloat16 or float32, not {packed_dtype}")
         n, k = weight.shape
@@ -82,7 +92,14 @@ class PackedLinear:
         self.num_threads = num_threads
         self.gated = gated
         self.in_features, self.out_features = k, n // 2 if gated else n
-        weight = weight.detach()
+        panels = -(-n // PANEL)
+        self.weight = packer(functools.partial(self.pack, weight.detach(), packed_dtype, gated))
+        self.bias = _padded_bias(bias, panels * PANEL)
+
+    @staticmethod
+    def pack(weight: torch.Tensor, packed_dtype: torch.dtype, gated: bool) -> torch.Tensor:
+        """[N, K] -> [panels, K, 16] in `packed_dtype` (bf16: columns in BF16_PANEL_ORDER)."""
+        n, k = weight.shape
         if gated:  # each panel: 8 gate rows, then the 8 up rows of the same outputs
             half = n // 2
             weight = torch.stack((weight[:half].view(-1, 8, k), weight[half:].view(-1, 8, k)), dim=1).view(n, k)
@@ -92,8 +109,7 @@ class PackedLinear:
         packed = padded.view(panels, PANEL, k).transpose(1, 2)  # [panels, K, 16]
         if packed_dtype == torch.bfloat16:
             packed = packed[..., list(BF16_PANEL_ORDER)]
-        self.weight = packed.contiguous()
-        self.bias = _padded_bias(bias, panels * PANEL)
+        return packed.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., K] (bf16 or fp32) -> [..., N] in x's dtype, accumulated in fp32."""
@@ -114,10 +130,11 @@ class PackedLinear:
 
 
 def pack_linear(weight: torch.Tensor, bias: torch.Tensor | None, packed_dtype: torch.dtype,
-                gated: bool = False) -> PackedLinear | None:
+                gated: bool = False, packer: Packer = pack_now) -> PackedLinear | None:
     """`weight` [N, K] packed for the many-row kernel, or None without the kernels."""
     lib = cpu_kernels()
-    return None if lib is None else PackedLinear(lib, torch.get_num_threads(), weight, bias, packed_dtype, gated)
+    return None if lib is None else PackedLinear(lib, torch.get_num_threads(), weight, bias, packed_dtype, gated,
+                                                 packer)
 
 
 ISA_GENERIC, ISA_AVX512_BF16 = 0, 1  # linear_dot.c's instruction sets
@@ -178,7 +195,7 @@ class AMXLinear:
     on the rows beside it), so it takes the rows up to `max_rows`, or every count (None)."""
 
     def __init__(self, lib: ctypes.CDLL, num_threads: int, weight: torch.Tensor, bias: torch.Tensor | None,
-                 max_rows: int | None) -> None:
+                 max_rows: int | None, packer: Packer = pack_now) -> None:
         n, k = weight.shape
         if not self.supports_weight(weight):
             raise ValueError(f"the AMX GEMM takes bf16 weights with K a multiple of {AMX_TILE_K}, not "
@@ -187,12 +204,17 @@ class AMXLinear:
         self.num_threads = num_threads
         self.max_rows = max_rows
         self.in_features, self.out_features = k, n
+        self.weight = packer(functools.partial(self.pack, weight.detach()))
+        self.bias = _padded_bias(bias, -(-n // PANEL) * PANEL)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] bf16 -> [N/16, K/32, 16 k-pairs, 16 columns, 2]: one 1 KiB B tile per (column block, k block)."""
+        n, k = weight.shape
         blocks = -(-n // PANEL)
         padded = torch.zeros(blocks * PANEL, k, dtype=torch.bfloat16)
-        padded[:n] = weight.detach()
-        # [N/16, 16 columns, K/32, 16 k-pairs, 2] -> [N/16, K/32, 16 k-pairs, 16 columns, 2]: one B tile per 1 KiB
-        self.weight = padded.view(blocks, PANEL, k // AMX_TILE_K, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-        self.bias = _padded_bias(bias, blocks * PANEL)
+        padded[:n] = weight
+        return padded.view(blocks, PANEL, k // AMX_TILE_K, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
     @staticmethod
     def supports_weight(weight: torch.Tensor) -> bool:
@@ -216,13 +238,14 @@ class AMXLinear:
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def pack_amx(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None) -> AMXLinear | None:
+def pack_amx(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None,
+             packer: Packer = pack_now) -> AMXLinear | None:
     """`weight` packed for the AMX GEMM; None without the kernels, for a weight it does not take, or where
     the OS refuses this process the AMX state."""
     lib = cpu_kernels()
     if lib is None or not AMXLinear.supports_weight(weight) or not amx_enabled():
         return None
-    return AMXLinear(lib, torch.get_num_threads(), weight, bias, max_rows)
+    return AMXLinear(lib, torch.get_num_threads(), weight, bias, max_rows, packer)
 
 
 @functools.cache

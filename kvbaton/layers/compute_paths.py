@@ -4,15 +4,17 @@ metadata)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from kvbaton.config import ConfigError
 from kvbaton.kernels import add_rms_norm_kernel, dot_linear, pack_amx, pack_linear, small_batch_linear
-from kvbaton.kernels.linear import DotLinear, SmallBatchLinear
+from kvbaton.kernels.linear import DotLinear, Packer, SmallBatchLinear, pack_now
 from kvbaton.kernels.moe import (
     GATE_MAX_ROWS,
     ISA_AMX,
@@ -22,6 +24,7 @@ from kvbaton.kernels.moe import (
     moe_experts_kernel,
     moe_route_kernel,
 )
+from kvbaton.kernels.pack_cache import PackCache
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
 from kvbaton.layers.moe.experts import GroupedExperts
@@ -49,8 +52,10 @@ MOE_KERNEL_ENV = "KVBATON_MOE_KERNEL"
 AMX_MOE_MIN_ROWS = 4
 
 
-def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
+def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | None = None) -> None:
+    """`cache`: packed layouts kept from an earlier start of this model under this plan (and kept for the next)."""
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packer = _packers(cache)
     keep_fp32 = weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES
     rows_kernel = _rows_kernel(plan)
     norm_kernel = add_rms_norm_kernel() if plan.norm == "c" else None
@@ -60,12 +65,13 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
     route_kernel = None if moe_kernel is None else moe_route_kernel(moe_kernel.isa, None if plan.deterministic
                                                                     else GATE_MAX_ROWS)
     moe_layers = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, MLP):
             proj = module.gate_up_proj
             fits = plan.many_rows_linear == "packed" and proj.bias is None and module.intermediate_size % 8 == 0
             packed_dtype = torch.float32 if keep_fp32 else torch.bfloat16
-            module.fused_gate_up = pack_linear(proj.weight, None, packed_dtype, gated=True) if fits else None
+            module.fused_gate_up = pack_linear(proj.weight, None, packed_dtype, gated=True,
+                                               packer=packer(f"{name}.fused_gate_up")) if fits else None
             if module.fused_gate_up is not None:
                 gated.add(proj)
         elif isinstance(module, RMSNorm):
@@ -81,10 +87,20 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan) -> None:
             module.kernel = route_kernel if suits else None
     if moe_kernel is not None and moe_layers:
         log.info("MoE experts: C kernel (%s) in %d layers, weights packed in place", moe_kernel.name, moe_layers)
-    for module in model.modules():
+    for name, module in model.named_modules():
         if isinstance(module, Linear):
             _apply_to_linear(module, plan, rows_kernel, keep_fp32, packed=module not in gated,
-                             tiles_fit=weight_bytes <= AMX_WEIGHT_COPY_MAX_BYTES)
+                             tiles_fit=weight_bytes <= AMX_WEIGHT_COPY_MAX_BYTES,
+                             packer=lambda kind, name=name: packer(name + kind))  # type: ignore[misc]
+    if cache is not None:
+        cache.save()
+
+
+def _packers(cache: PackCache | None) -> Callable[[str], Packer]:
+    """name -> the packer of that weight: through `cache` (by name), or packing at once without one."""
+    if cache is None:
+        return lambda name: pack_now
+    return lambda name: functools.partial(cache.get, name)
 
 
 def _moe_kernel(plan: ComputePlan) -> MoEExpertsKernel | None:
@@ -106,9 +122,11 @@ def _rows_kernel(plan: ComputePlan) -> SmallBatchLinear | DotLinear | None:
 
 
 def _apply_to_linear(linear: Linear, plan: ComputePlan, rows_kernel: SmallBatchLinear | DotLinear | None,
-                     keep_fp32: bool, packed: bool, tiles_fit: bool) -> None:
+                     keep_fp32: bool, packed: bool, tiles_fit: bool, packer: Callable[[str], Packer]) -> None:
+    """`packer(kind)`: the packer of this linear's `kind` of packed copy (".tiles", ".packed")."""
     tiles = plan.many_rows_linear == "amx"
-    linear.tile_kernel = pack_amx(linear.weight, linear.bias, plan.tile_rows) if tiles and tiles_fit else None
+    linear.tile_kernel = (pack_amx(linear.weight, linear.bias, plan.tile_rows, packer(".tiles"))
+                          if tiles and tiles_fit else None)
     if plan.deterministic and tiles and linear.tile_kernel is None:
         # a weight the tiles do not take (K not a multiple of 32): the dot kernel, for every row count
         rows_kernel = dot_linear(True, max_rows=None)
@@ -119,7 +137,7 @@ def _apply_to_linear(linear: Linear, plan: ComputePlan, rows_kernel: SmallBatchL
                           f"weight of shape {tuple(linear.weight.shape)}")
     packed_dtype = torch.float32 if keep_fp32 else linear.weight.dtype
     pack = plan.many_rows_linear == "packed" and packed
-    linear.packed = pack_linear(linear.weight, linear.bias, packed_dtype) if pack else None
+    linear.packed = pack_linear(linear.weight, linear.bias, packed_dtype, packer=packer(".packed")) if pack else None
     upcast = plan.many_rows_linear == "torch-fp32" and linear.weight.dtype != torch.float32
     linear.upcast_min_rows = UPCAST_MIN_ROWS if upcast else None
     linear.fp32_weight = linear.weight.detach().float() if upcast and keep_fp32 else None

@@ -23,7 +23,10 @@ class DecoderStack(nn.Module):
         super().__init__()
         self.config = cfg
         self.rope = rope
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: given its (empty) weight, so no random init runs: on the meta device `normal_` imports
+        # torch.compile's machinery (~2 s of a worker's start) to draw numbers the checkpoint replaces
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvbaton.config import ConfigError, ModelConfig
 from kvbaton.layers.moe.block import SparseMoeBlock
@@ -37,9 +39,11 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) ->
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors weights in model directory {model_dir}")
-    with torch.device("meta"):
+    # NOTE: built in `dtype` from the start: an fp32 model cast at the end staged a bf16 checkpoint through twice
+    # its size (~2 s of a worker's start for the default model)
+    with torch.device("meta"), _default_dtype(dtype):
         model = model_class(cfg)(cfg, dtype, max_positions)
-    model.to_empty(device="cpu")
+    _materialize(model)
     # NOTE: buffers (the RoPE table, the MoE token counters) are not in the checkpoint; rebuild them on the CPU.
     model.rope.build_table()
     for module in model.modules():
@@ -53,6 +57,34 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, max_positions: int) ->
     if missing:
         raise ConfigError(f"checkpoint {model_dir} lacks weights: {sorted(missing)[:5]}")
     return model.to(dtype).eval().requires_grad_(False)
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give every meta parameter and buffer uninitialised CPU memory (what `to_empty` does, without its
+    `empty_like` over meta tensors: that runs a Python reference that imports sympy, ~0.8 s of a start).
+    Tensors shared between modules stay shared."""
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                if id(param) not in params:
+                    params[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype), requires_grad=False)
+                module._parameters[name] = params[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                buffers.setdefault(id(buffer), torch.empty(buffer.shape, dtype=buffer.dtype))
+                module._buffers[name] = buffers[id(buffer)]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set[str]:

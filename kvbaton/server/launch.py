@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from kvbaton.cluster.autoscale_policy import AutoscaleConfig, check_deployment
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import ConfigError, EngineConfig
 from kvbaton.disagg.router import Router
+from kvbaton.disagg.worker_pool import WorkerPool
 from kvbaton.engine.generation_config import AUTO, load_generation_defaults
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
@@ -71,7 +74,8 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               kv_session_secret=cluster_secret())  # the workers' too: deploy is given it
     listener = bind_listener(options.host, options.port)  # a port in use fails here, before any worker starts
     try:
-        return asyncio.run(_serve(config, Tokenizer(model_dir), settings, options, listener))
+        # NOTE: the tokenizer loads while the workers start (`deploy`), not before: each takes seconds
+        return asyncio.run(_serve(config, functools.partial(Tokenizer, model_dir), settings, options, listener))
     finally:
         listener.close()
 
@@ -94,12 +98,14 @@ def _exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-async def _serve(config: EngineConfig, tokenizer: Tokenizer, settings: ServerSettings, options: ServeOptions,
-                 listener: socket.socket) -> int:
+async def _serve(config: EngineConfig, tokenizer: Callable[[], Tokenizer], settings: ServerSettings,
+                 options: ServeOptions, listener: socket.socket) -> int:
     # NOTE: uvicorn re-raises the SIGTERM it caught once it has stopped; with the default handler the
     # process would die right there, before `deployment.shutdown()` stops the workers (one still loading
     # its model would outlive us). As an exception it unwinds through the `finally` below.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # NOTE: each worker's readiness (time from its launch, and where its own start went) shows by default
+    logging.getLogger(WorkerPool.__module__).setLevel(logging.INFO)
     deployment = await deploy(config, tokenizer, options.deployment, secret=settings.kv_session_secret)
     autoscaler = None
     try:

@@ -12,7 +12,7 @@ import pytest
 from kvbaton.config import ConfigError, ModelConfig
 from kvbaton.engine.generation_config import GenerationDefaults, generation_eos_token_ids, load_generation_defaults
 from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
+from kvbaton.engine.tokenizer import eos_token_ids
 from kvbaton.models.registry import DEFAULT_MODEL, pull_default_model
 from kvbaton.paths import CACHE_ENV
 
@@ -112,7 +112,7 @@ def _copy_tokenizer_and_config(src: Path, dst: Path) -> Path:
 def test_engine_stops_on_the_generation_configs_eos_ids_too(default_model_dir, tmp_path, eos, expected):
     model = _copy_tokenizer_and_config(default_model_dir, tmp_path / "m")
     _write(model, {"eos_token_id": eos} if eos is not None else {})
-    assert eos_token_ids(ModelConfig.from_dir(model), Tokenizer(model)) == expected
+    assert eos_token_ids(ModelConfig.from_dir(model), model) == expected
 
 
 def test_vllm_ignores_a_refused_sampling_value_but_still_reads_the_eos_ids(tmp_path):

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from kvbaton.engine.structured.grammar import GrammarCompiler
@@ -45,7 +44,7 @@ class GrammarMatchers:
                 batch_rows: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """rows: (request id, spec, tokens generated so far) of each grammar row, and `batch_rows` their
         rows in the step's logits. Returns (row ids, bitmask [G, ceil(V/32)] int32)."""
-        mask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        mask = torch.full((len(rows), (self.vocab_size + 31) // 32), -1, dtype=torch.int32)  # every bit: allowed
         live: list[tuple[llguidance.LLMatcher, int]] = []
         for i, (request_id, spec, generated) in enumerate(rows):
             matcher = self._caught_up(request_id, spec, generated)
@@ -56,7 +55,9 @@ class GrammarMatchers:
             else:
                 live.append((matcher, i))
         if live:
-            llguidance.torch.fill_next_token_bitmask_par(self._executor, live, mask)
+            # NOTE: the executor's own call, not `llguidance.torch`'s wrapper: importing that module imports
+            # torch.compile's machinery (~2.5 s of every worker's start) for a kernel kvbaton does not use.
+            self._executor.unsafe_compute_mask_ptr(live, mask.data_ptr(), mask.shape[1] * 4, len(rows))
         return torch.tensor(batch_rows, dtype=torch.long), mask
 
     def _caught_up(self, request_id: str, spec: StructuredOutput, generated: Sequence[int]) -> llguidance.LLMatcher:
