@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -134,6 +135,9 @@ class Worker:
         # tokenizer loads now, in its own thread, rather than with the first such request; a request needs
         # none of it before its first token, so the worker does not wait for it to join the pool
         self.core.grammars.start()
+        # NOTE: the KV pools' pages were left for the kernel to zero on first touch (a fast start); take them now,
+        # in the background, so the worker's memory is what it will be under load (a leak shows as growth)
+        threading.Thread(target=self.core.prefault_kv_pools, name="kvbaton-kv-prefault", daemon=True).start()
         while self.running:
             if self._parent_pid is not None and os.getppid() != self._parent_pid:
                 logger.error("launcher is gone; exiting")

@@ -204,6 +204,11 @@ class EngineCore:
         group.shard(self.expert_stats, model_dir, self.model_config.hidden_size)
         return group
 
+    def prefault_kv_pools(self) -> None:
+        """Back the KV pools with memory now (`KVPools.prefault`): a served worker's, once it serves."""
+        if not self.runner.pools.prefault():
+            logger.debug("the KV pools' pages are taken on first use (no MADV_POPULATE_WRITE here)")
+
     def _pack_cache(self, model_dir: Path) -> PackCache | None:
         """Packed layouts kept on disk from an earlier start of this model under this plan (`kernels.pack_cache`);
         None with KVBATON_PACK_CACHE=0 (each start packs: what the cold-start benchmark compares against)."""
