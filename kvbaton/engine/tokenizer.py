@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
@@ -15,10 +16,8 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         if not (Path(model_dir) / "tokenizer.json").is_file() and not (Path(model_dir) / "tokenizer.model").is_file():
             raise ConfigError(f"no tokenizer (tokenizer.json) in model directory {model_dir}")
-        from transformers import AutoTokenizer
-
         self.model_dir = Path(model_dir)
-        self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        self.hf = _hf_tokenizer(self.model_dir)
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
 
@@ -46,6 +45,26 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
         """Incremental detokenizer: yields text only once it no longer changes (UTF-8 safe)."""
         return DecodeStream(skip_special_tokens=skip_special_tokens)
+
+
+# The classes transformers builds straight from tokenizer.json (PreTrainedTokenizerFast is an alias of the other).
+_TOKENIZERS_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _hf_tokenizer(model_dir: Path) -> Any:
+    """transformers' tokenizer of `model_dir`.
+
+    NOTE: a checkpoint whose tokenizer_config names transformers' tokenizers-backed class gets that class itself:
+    `AutoTokenizer` imports torch (~2.4 s, and the HTTP process runs without it) to build the very same object."""
+    config = model_dir / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if name in _TOKENIZERS_BACKEND_CLASSES and (model_dir / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def eos_token_ids(model_config: ModelConfig, model_dir: str | Path) -> tuple[int, ...]:
