@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -25,11 +24,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbaton.config import ConfigError
 from kvbaton.engine.errors import EngineError
-from kvbaton.engine.generation_config import GenerationDefaults
 from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import INT64_MAX, MAX_N, InvalidRequestError, SamplingParams
+from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
-from kvbaton.server.admission import AdmissionController, AdmissionLimits
+from kvbaton.server.admission import AdmissionController
 from kvbaton.server.choices import merged, request_choices, tool_chunks
 from kvbaton.server.diagnostics import add_diagnostic_routes
 from kvbaton.server.engine_client import EngineClient
@@ -41,42 +39,12 @@ from kvbaton.server.metrics import ServerMetrics
 from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvbaton.server.responses import ResponseBuilder, sse
+from kvbaton.server.settings import ServerSettings
 from kvbaton.server.tokenize_routes import add_tokenize_routes
 from kvbaton.server.tool_calling import ToolCalling, plan_tool_calling
 from kvbaton.server.tools import inspect_chat_template
 
 DISCONNECT_POLL_S = 0.5
-
-
-@dataclass(frozen=True, kw_only=True)
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None  # /v1/*
-    admin_api_key: str | None = None  # /admin/*, /workers (see guards.AdminAccess)
-    bind_host: str = "127.0.0.1"
-    admission: AdmissionLimits = AdmissionLimits()
-    retry_after_s: int = 1
-    max_request_bytes: int = 4 * 2**20
-    # NOTE: a client may ask to be served before others, but only by so much: |priority| <= this
-    # (0: client priorities are refused, everyone is equal).
-    max_priority_range: int = 10**6
-    max_workers: int = 16
-    max_n: int = 16  # choices per request (n); more is a 400
-    # the model's recommended sampling settings: the fields a request leaves unset take these
-    generation_defaults: GenerationDefaults = GenerationDefaults()
-    max_kv_session_bytes: int = 2**30  # POST /admin/kv/restore's body: a session file
-    # signs KV session files (the deployment's cluster secret; None: sessions are unavailable)
-    kv_session_secret: bytes | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        if min(self.max_request_bytes, self.max_kv_session_bytes) < 1024:
-            raise ConfigError("max_request_bytes and max_kv_session_bytes must be >= 1024")
-        if not 0 <= self.max_priority_range <= INT64_MAX:
-            raise ConfigError("max_priority_range must be in [0, 2**63)")
-        if self.max_workers < 1:
-            raise ConfigError("max_workers must be >= 1")
-        if not 1 <= self.max_n <= MAX_N:
-            raise ConfigError(f"max_n must be in [1, {MAX_N}]")
 
 
 class OpenAIServer:

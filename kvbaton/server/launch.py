@@ -12,12 +12,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import uvicorn
-from fastapi import FastAPI
-
-from kvbaton.cluster.autoscale import Autoscaler
 from kvbaton.cluster.autoscale_policy import AutoscaleConfig, check_deployment
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import ConfigError, EngineConfig
@@ -27,9 +23,13 @@ from kvbaton.engine.generation_config import AUTO, load_generation_defaults
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
 from kvbaton.server.admission import AdmissionLimits
-from kvbaton.server.api import ServerSettings, build_app
-from kvbaton.server.metrics import AutoscalerMetrics
+from kvbaton.server.settings import ServerSettings
 from kvbaton.wire import cluster_secret
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvbaton.cluster.autoscale import Autoscaler
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,15 @@ async def _serve(config: EngineConfig, tokenizer: Callable[[], Tokenizer], setti
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     # NOTE: each worker's readiness (time from its launch, and where its own start went) shows by default
     logging.getLogger(WorkerPool.__module__).setLevel(logging.INFO)
-    deployment = await deploy(config, tokenizer, options.deployment, secret=settings.kv_session_secret)
+    http_stack = asyncio.ensure_future(asyncio.to_thread(_import_http_stack))  # while the workers start
+    try:
+        deployment = await deploy(config, tokenizer, options.deployment, secret=settings.kv_session_secret)
+    finally:
+        await http_stack
+    import uvicorn
+
+    from kvbaton.server.api import build_app
+
     autoscaler = None
     try:
         app = build_app(deployment.router, settings)
@@ -123,9 +131,22 @@ async def _serve(config: EngineConfig, tokenizer: Callable[[], Tokenizer], setti
     return 0
 
 
+def _import_http_stack() -> None:
+    """FastAPI, uvicorn and the API's own modules (~0.6 s on 2 cores): imported in a thread while the workers load,
+    not before they are launched."""
+    import uvicorn  # noqa: F401
+
+    import kvbaton.cluster.autoscale
+    import kvbaton.server.api
+    import kvbaton.server.metrics  # noqa: F401
+
+
 def _start_autoscaler(app: FastAPI, router: Router, config: AutoscaleConfig, max_workers: int) -> Autoscaler:
     """The autoscaler task, fed the server's finished requests, its decisions in /metrics and `GET /admin/autoscaler`
     (an admin route: guarded as /workers is)."""
+    from kvbaton.cluster.autoscale import Autoscaler
+    from kvbaton.server.metrics import AutoscalerMetrics
+
     server = app.state.server
     autoscaler = Autoscaler(router, config, max_workers)
     metrics = AutoscalerMetrics(server.metrics.registry, server.settings.served_model_name)

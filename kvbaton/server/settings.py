@@ -1,0 +1,42 @@
+"""What `kvbaton serve` was told about its HTTP frontend (keys, limits, defaults): a plain frozen record, importable
+without the HTTP stack, so `kvbaton serve` checks it before any worker starts and imports FastAPI while they do."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvbaton.config import ConfigError
+from kvbaton.engine.generation_config import GenerationDefaults
+from kvbaton.engine.sampling_params import INT64_MAX, MAX_N
+from kvbaton.server.admission import AdmissionLimits
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None  # /v1/*
+    admin_api_key: str | None = None  # /admin/*, /workers (see guards.AdminAccess)
+    bind_host: str = "127.0.0.1"
+    admission: AdmissionLimits = AdmissionLimits()
+    retry_after_s: int = 1
+    max_request_bytes: int = 4 * 2**20
+    # NOTE: a client may ask to be served before others, but only by so much: |priority| <= this
+    # (0: client priorities are refused, everyone is equal).
+    max_priority_range: int = 10**6
+    max_workers: int = 16
+    max_n: int = 16  # choices per request (n); more is a 400
+    # the model's recommended sampling settings: the fields a request leaves unset take these
+    generation_defaults: GenerationDefaults = GenerationDefaults()
+    max_kv_session_bytes: int = 2**30  # POST /admin/kv/restore's body: a session file
+    # signs KV session files (the deployment's cluster secret; None: sessions are unavailable)
+    kv_session_secret: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if min(self.max_request_bytes, self.max_kv_session_bytes) < 1024:
+            raise ConfigError("max_request_bytes and max_kv_session_bytes must be >= 1024")
+        if not 0 <= self.max_priority_range <= INT64_MAX:
+            raise ConfigError("max_priority_range must be in [0, 2**63)")
+        if self.max_workers < 1:
+            raise ConfigError("max_workers must be >= 1")
+        if not 1 <= self.max_n <= MAX_N:
+            raise ConfigError(f"max_n must be in [1, {MAX_N}]")
