@@ -307,9 +307,10 @@ def main() -> int:
                 results[name] = measure(root, args, scratch)
             hf_s = statistics.median(hf_peer(scratch) for _ in range(args.runs))
         finally:
-            if args.before:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(roots[f"before ({args.before})"])],
-                               capture_output=True)
+            for root in roots.values():
+                if root != ROOT:
+                    subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(root)],
+                                   capture_output=True)
     md = report(results, hf_s, args, sys.argv[1:])
     Path(args.out).write_text(md)
     Path(args.out).with_suffix(".json").write_text(json.dumps({"results": results, "hf_s": hf_s}, indent=2))

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/soak.py                      # 600 s of load, colocated
     .venv/bin/python benchmarks/soak.py --duration-s 120 --serve-args="--prefill 1 --decode 2"
 
-The load is benchmarks/common/soak.py: whole and streamed requests, streams cut mid-way,
+The load is kvbaton/bench/soak.py: whole and streamed requests, streams cut mid-way,
 requests abandoned before their answer, stop strings; fresh random prompts from `--seed`.
 A warm-up round (`--warmup-s`) comes first. Printed: requests by kind and outcome, HTTP
 statuses, errors, p50/p99 end-to-end latency of the served requests, and the RSS of the server
@@ -22,7 +22,7 @@ from pathlib import Path
 from common.log import log
 from common.procs import thread_env
 from common.servers import Server, free_port, kvbaton_server
-from common.soak import Outcome, SoakConfig, SoakResult, rss_mib, run_soak, stats, wait_idle, workers
+from kvbaton.bench.soak import Outcome, SoakConfig, SoakResult, rss_mib, run_soak, stats, wait_idle, workers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

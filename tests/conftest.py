@@ -1,15 +1,14 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from tests.support.helpers import MOE_ARCHS, build_tiny_checkpoint, build_tiny_moe_checkpoint
 
-from helpers import MOE_ARCHS, build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+pytest_plugins = ["tests.support.budget"]  # the suite's wall time and peak RSS, at the end of every run
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +28,9 @@ def default_model_dir() -> Path:
     from kvbaton.models.registry import pull_default_model
 
     return pull_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    """The tiny Llama of `tiny_models` (the disaggregation and fault tests' model)."""
+    return tiny_models["llama"]

@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "server"))  # server_harness
-from server_harness import free_port, kvbaton_server  # noqa: E402
+from tests.support.server import free_port, kvbaton_server
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "s3cret"

@@ -46,3 +46,16 @@ def test_imports_without_torch(module: str) -> None:
             "assert 'torch' not in loaded, sorted(loaded)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_frontends_tokenizer_loads_without_torch(default_model_dir) -> None:
+    """`kvbaton serve`'s HTTP process loads the checkpoint's tokenizer (chat template included) with torch
+    unimportable: transformers' AutoTokenizer imports torch, so the tokenizers-backed class is built directly."""
+    code = ("import sys\nsys.modules['torch'] = None\nfrom kvbaton.engine.tokenizer import Tokenizer\n"
+            f"tok = Tokenizer({str(default_model_dir)!r})\n"
+            "assert tok.apply_chat_template([{'role': 'user', 'content': 'hi'}]).endswith('assistant\\n')\n"
+            "assert tok.decode(tok.encode('Hello there')) == 'Hello there' and tok.eos_token_id == 2\n"
+            "loaded = {name.split('.')[0] for name, mod in sys.modules.items() if mod is not None}\n"
+            "assert 'torch' not in loaded, sorted(loaded)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

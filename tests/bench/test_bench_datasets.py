@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 import pytest
-from helpers import build_tiny_tokenizer
 
 from kvbaton.bench.arrivals import ArrivalConfig, arrival_offsets
 from kvbaton.bench.datasets import DatasetConfig, TokenizerPrompts, WordPrompts, build_requests, sample_lengths
 from kvbaton.bench.errors import BenchError
+from tests.support.helpers import build_tiny_tokenizer
 
 
 def test_sample_lengths_stay_in_range_and_are_fixed_without_a_ratio():

@@ -7,13 +7,13 @@ import json
 import time
 
 import pytest
-from fake_openai_server import MODEL, FakeOpenAIServer
 
 from kvbaton.bench.arrivals import ArrivalConfig
 from kvbaton.bench.cli import run
 from kvbaton.bench.client import Target, fetch_model_name
 from kvbaton.bench.datasets import DatasetConfig, WordPrompts, build_requests
 from kvbaton.bench.runner import run_load
+from tests.support.fake_openai_server import MODEL, FakeOpenAIServer
 
 
 @pytest.fixture(scope="module")

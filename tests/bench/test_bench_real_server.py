@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,19 +19,15 @@ import httpx
 import pytest
 
 from kvbaton.bench.cli import run
+from tests.support.procs import REPO_ROOT
+from tests.support.server import free_port
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 # NOTE: the vLLM run is opt-in (it takes minutes to start): set KVBATON_VLLM_PYTHON to its venv's python.
 VLLM_PYTHON = Path(os.environ.get("KVBATON_VLLM_PYTHON", "/nonexistent/vllm-python"))
 STARTUP_TIMEOUT_S = {"kvbaton": 600, "vllm": 1200}  # vLLM on a small CPU box compiles for minutes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _server_command(backend: str, model_dir: Path, port: int) -> list[str]:
@@ -50,17 +44,15 @@ def _skip_reason(backend: str) -> str | None:
 
 
 def _wait_healthy(proc: subprocess.Popen, base_url: str, timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{base_url}/health", timeout=2.0, trust_env=False).status_code == 200:
-                return
+            return httpx.get(f"{base_url}/health", timeout=2.0, trust_env=False).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(2.0)
-    pytest.fail(f"server not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+            return False
+
+    wait_until(healthy, timeout_s, interval_s=1.0, message=lambda: f"server not healthy:\n{log.read_text()[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -81,12 +73,12 @@ def server(request, default_model_dir: Path, tmp_path_factory) -> Iterator[str]:
     backend = request.param
     if (reason := _skip_reason(backend)) is not None:
         pytest.skip(reason)
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp(backend) / "server.log"
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with log.open("w") as out:
         proc = subprocess.Popen(_server_command(backend, default_model_dir, port), stdout=out,
-                                stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, start_new_session=True)
     try:
         base_url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, base_url, STARTUP_TIMEOUT_S[backend], log)

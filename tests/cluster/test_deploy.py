@@ -8,13 +8,13 @@ import asyncio
 import os
 
 import pytest
-from helpers import child_pids, pid_alive
 
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import EngineConfig
 from kvbaton.disagg.router import RouterConfig
 from kvbaton.engine.errors import EngineDeadError
 from kvbaton.engine.tokenizer import Tokenizer
+from tests.support.procs import child_pids, pid_alive
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -19,7 +19,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from helpers import TINY_VOCAB
 
 from kvbaton.cluster.ray import (
     PlacementError,
@@ -34,6 +33,8 @@ from kvbaton.config import CacheConfig, EngineConfig
 from kvbaton.disagg.messages import FromWorker, Shutdown, WorkerHello
 from kvbaton.disagg.spec import ROUTER_NAME, ConnectorSpec, WorkerRole, WorkerSpec
 from kvbaton.wire import Peer, SequencedCodec, cluster_secret
+from tests.support.helpers import TINY_VOCAB
+from tests.support.wait import async_wait_until
 
 NUM_CPUS = 2
 ROUTER = Peer.fresh(ROUTER_NAME)  # the session the real-worker test plays the router in
@@ -193,7 +194,8 @@ def test_each_worker_gets_a_packed_group_with_a_bundle_per_rank(launcher):
 
 @pytest.mark.slow
 def test_impossible_placement_fails_fast_and_keeps_nothing(launcher):
-    t0 = time.monotonic()
+    # fast: these messages come only from the feasibility check made before anything is reserved or waited for
+    # (a placement that waited would say "not granted within"), so no clock is needed to tell
     with pytest.raises(PlacementError, match=r"prefill pool .* \+ the decode pool \(2 worker\(s\) x 1 rank\(s\) x 1 "
                                              r"CPU\): 3 CPU in all, but the cluster has 2 CPU on 1 node\(s\) "
                                              r"\(127.0.0.1: 2 CPU, [\d.]+ free\)"):
@@ -206,7 +208,6 @@ def test_impossible_placement_fails_fast_and_keeps_nothing(launcher):
             launcher.launch(spec("decode"))
     finally:
         launcher.cpus_per_worker = None
-    assert time.monotonic() - t0 < 15
     assert live_groups() == {} and launcher.list_workers() == []
 
 
@@ -223,7 +224,7 @@ def test_placement_not_granted_in_time_gives_back_what_it_got(launcher):
         with pytest.raises(PlacementError, match=r"kvbaton-decode-0 not granted within 2 s; the cluster has 2 CPU .*"
                                                  r"[\d.]+ free\)\. Nothing was kept"):
             launcher.launch_many([spec("prefill"), spec("decode")], cpus_per_worker=0.5)  # prefill fits, decode not
-        assert time.monotonic() - t0 < 15
+        assert time.monotonic() - t0 < 15  # a generous deadline: 7.5x the 2 s placement timeout
         assert set(live_groups()) == {other.id.hex()}  # the granted prefill group went back too
         assert launcher.list_workers() == []
     finally:
@@ -352,10 +353,10 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
         assert launcher.exit_codes["kvbaton-decode-0"] == 0  # exits on its own: no signal needed
         assert not launcher.is_alive("kvbaton-decode-0") and launcher.is_alive("kvbaton-prefill-0")
         push.close(linger=0)
-        t0 = time.monotonic()
         launcher.stop_all(timeout_s=0)  # not told to shut down: interrupted (SIGKILL after 5 s)
         codes = {n: launcher.exit_codes.get(n) for n in names}
-        assert codes == {"kvbaton-decode-0": 0, "kvbaton-prefill-0": -signal.SIGINT} and time.monotonic() - t0 < 5
+        # -SIGINT: the prefill worker ended on the interrupt, not on the SIGKILL that would follow 5 s later
+        assert codes == {"kvbaton-decode-0": 0, "kvbaton-prefill-0": -signal.SIGINT}
     finally:
         launcher.stop_all(timeout_s=0)
         router.close(linger=0)
@@ -369,12 +370,11 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
 def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
     import asyncio
 
-    from helpers import hf_greedy
-
     from kvbaton.disagg.router import Router
     from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
     from kvbaton.engine.sampling_params import SamplingParams
     from kvbaton.engine.tokenizer import Tokenizer
+    from tests.support.helpers import hf_greedy
 
     model = tiny_models["llama"]
     prompts = [[(7 * i + 3 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([3, 11, 26])]
@@ -399,10 +399,10 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
             pid = launcher.pid("kvbaton-prefill-0")
             await asyncio.to_thread(launcher.kill, "kvbaton-prefill-0")  # how the router fences a dead worker
             assert not launcher.is_alive("kvbaton-prefill-0") and not Path(f"/proc/{pid}").exists()
-            for _ in range(1200):  # the pool replaces it under its name, in a new actor and group (bounded wait)
-                if pool.supervisor.restarts("kvbaton-prefill-0") and "kvbaton-prefill-0" in pool.workers:
-                    break
-                await asyncio.sleep(0.1)
+            # the pool replaces it under its name, in a new actor and group (bounded wait)
+            await async_wait_until(
+                lambda: pool.supervisor.restarts("kvbaton-prefill-0") and "kvbaton-prefill-0" in pool.workers,
+                120.0, interval_s=0.1, message="the pool did not replace kvbaton-prefill-0")
             assert pool.workers["kvbaton-prefill-0"].pid not in (None, pid) and router.is_alive
             outs.append(await generate(router, "again", prompts[2]))
             return outs, roles
@@ -422,12 +422,11 @@ def test_expert_parallel_groups_through_ray(launcher, tiny_moe_models):
     """1P(EP2) + 1D(EP2): each group's two ranks in one PACK placement group (a bundle each), serving."""
     import asyncio
 
-    from helpers import hf_greedy
-
     from kvbaton.disagg.router import Router, RouterConfig
     from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
     from kvbaton.engine.sampling_params import SamplingParams
     from kvbaton.engine.tokenizer import Tokenizer
+    from tests.support.helpers import hf_greedy
 
     model = tiny_moe_models["qwen3_moe"]
     prompts = [[(5 * i + 3 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([4, 13, 27])]

@@ -6,15 +6,15 @@ SIGKILLed mid-stream and which finish after a re-prefill of prompt + generated t
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-from helpers import deterministic_prompts, greedy
-from pd_harness import collect, kill_when, router_over, run
 
 from kvbaton import LLM
 from kvbaton.config import CacheConfig
 from kvbaton.disagg.flight import Phase
+from tests.support.helpers import deterministic_prompts, greedy
+from tests.support.pd import collect, kill_when, router_over, run
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -38,9 +38,9 @@ def test_pd_and_failover_match_colocated_token_for_token(default_model_dir):
                      for i, p in enumerate(prompts[8:])]
             await kill_when(router, "kvbaton-decode-1", Phase.DECODING, 3)
             after = await asyncio.gather(*tasks)
-            deadline = time.monotonic() + 90  # let the replacement join before everything stops
-            while "kvbaton-decode-1" not in router.pool.workers and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+            # let the replacement join before everything stops
+            await async_wait_until(lambda: "kvbaton-decode-1" in router.pool.workers, 90.0, interval_s=0.1,
+                                   message="the replacement of kvbaton-decode-1 did not join")
             return pd, after, {w["name"]: w["restarts"] for w in router.workers_view()}
 
     pd, after, restarts = run(scenario())

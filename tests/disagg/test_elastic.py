@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
+
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.wait import async_wait_until
 
 
 def test_add_then_drain_under_load(tiny_llama):
@@ -34,10 +36,9 @@ def test_add_then_drain_under_load(tiny_llama):
             second = [asyncio.create_task(collect(router, f"b{i}", p, max_new))
                       for i, p in enumerate(prompts[4:])]
             outs = await asyncio.gather(*first, *second)
-            for _ in range(100):  # the drained worker exits once idle (bounded wait)
-                if "kvbaton-both-0" not in router.pool.workers:
-                    break
-                await asyncio.sleep(0.1)
+            # the drained worker exits once idle (bounded wait)
+            await async_wait_until(lambda: "kvbaton-both-0" not in router.pool.workers, 30.0, interval_s=0.1,
+                                   message="the drained worker did not exit")
             names = [w["name"] for w in router.workers_view()]
             with pytest.raises(ValueError, match="last"):
                 await router.drain_worker(name)

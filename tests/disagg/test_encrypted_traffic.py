@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 
 import pytest
 import zmq
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.cli import build_parser, deployment_from_args
 from kvbaton.wire import SECRET_ENV, CurveKeys, curve_client
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.wait import async_wait_until
 
 MAX_NEW = 16
 SECRET = b"encrypted-traffic-test-secret-0123456789"
@@ -43,10 +43,7 @@ def probe(ctx: zmq.Context, address: str, keys: CurveKeys | None, payload: bytes
 
 async def wait_for(seen, where: str, timeout_s: float = 10.0) -> None:
     """Until `seen()` is true (bounded)."""
-    deadline = time.monotonic() + timeout_s
-    while not seen():
-        assert time.monotonic() < deadline, f"the probe with the cluster's keys never reached {where}"
-        await asyncio.sleep(0.05)
+    await async_wait_until(seen, timeout_s, message=f"the probe with the cluster's keys never reached {where}")
 
 
 def refused(text: str, where: str, payload: bytes) -> bool:

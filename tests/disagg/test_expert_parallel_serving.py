@@ -12,10 +12,11 @@ import signal
 import time
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.disagg.flight import Phase
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.wait import async_wait_until
 
 MAX_NEW = 16
 
@@ -62,21 +63,19 @@ def test_rank_killed_mid_stream_tears_its_group_down_and_loses_nothing(moe_model
                                dead_after_s=2.0, max_failed_attempts=3) as router:
             tasks = [asyncio.create_task(collect(router, f"r{i}", p, MAX_NEW)) for i, p in enumerate(prompts)]
             victim = "kvbaton-both-1"  # rank 1 of group 0; its mate is kvbaton-both-0
-            deadline = time.monotonic() + 60
-            while not any(victim in (f.prefill, f.decode) and f.phase == Phase.DECODING and len(f.tokens) >= 2
-                          for f in router.flights.values()):
-                assert time.monotonic() < deadline, "no request decoding on the victim in time"
-                await asyncio.sleep(0.002)
+            await async_wait_until(
+                lambda: any(victim in (f.prefill, f.decode) and f.phase == Phase.DECODING and len(f.tokens) >= 2
+                            for f in router.flights.values()),
+                60.0, interval_s=0.002, message="no request decoding on the victim")  # kill it mid-stream
             os.kill(router.pool.workers[victim].pid, signal.SIGKILL)
             killed = time.monotonic()
-            while "kvbaton-both-0" in router.pool.workers or victim in router.pool.workers:
-                assert time.monotonic() - killed < 15, "the group was not torn down"
-                await asyncio.sleep(0.005)
+            await async_wait_until(lambda: "kvbaton-both-0" not in router.pool.workers
+                                   and victim not in router.pool.workers,
+                                   15.0, interval_s=0.005, message="the group was not torn down")
             torn_down = time.monotonic() - killed
             outs = await asyncio.gather(*tasks)
-            while not all(n in router.pool.workers for n in ("kvbaton-both-0", victim)):
-                assert time.monotonic() - killed < 120, "the group did not come back"
-                await asyncio.sleep(0.05)
+            await async_wait_until(lambda: all(n in router.pool.workers for n in ("kvbaton-both-0", victim)),
+                                   120.0, interval_s=0.05, message="the group did not come back")
             back = time.monotonic() - killed
             again = await asyncio.gather(*(collect(router, f"again{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
             return outs, again, torn_down, back, router.workers_view()

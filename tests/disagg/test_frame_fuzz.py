@@ -24,7 +24,6 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pd_harness import collect, tiny_prompts
 
 from kvbaton.cluster.local import LocalLauncher
 from kvbaton.config import CacheConfig, EngineConfig
@@ -34,6 +33,9 @@ from kvbaton.disagg.spec import ROUTER_NAME, ConnectorSpec, WorkerSpec
 from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec
+from tests.support.helpers import tiny_prompts
+from tests.support.pd import collect
+from tests.support.wait import wait_until
 
 SECRET = secrets.token_hex(32).encode()
 WORKER = "kvbaton-both-0"
@@ -153,10 +155,7 @@ class Cluster:
         return self.log.read_text().count("refused a frame")
 
     def wait_for(self, done: Callable[[], bool], what: str, timeout_s: float = 10) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not done():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.02)
+        wait_until(done, timeout_s, interval_s=0.02, message=f"timed out waiting for {what}")
 
     def send_and_count(self, frames: list[bytes], sock: zmq.Socket | None = None) -> None:
         """Send frames the worker must refuse; wait until it logged one refusal for each, and no more."""
@@ -164,7 +163,7 @@ class Cluster:
         for frame in frames:
             (sock or self.commands).send(frame)
         self.wait_for(lambda: self.refusals() >= before + len(frames), f"{len(frames)} refusals")
-        time.sleep(0.05)
+        time.sleep(0.05)  # noqa: TID251 - watching a window for a refusal too many: "and no more" is the check
         assert self.refusals() == before + len(frames)
 
     def assert_serving(self) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
+
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
 
 MAX_NEW = 8
 

@@ -11,10 +11,11 @@ import signal
 import time
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.disagg.flight import Phase
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.wait import async_wait_until
 
 MAX_NEW = 16
 
@@ -96,15 +97,12 @@ def test_short_prompts_prefill_on_the_decode_worker(tiny_llama):
 
 async def _kill_when(router, predicate, sig=signal.SIGKILL, timeout_s: float = 60.0):
     """Send `sig` to the first worker `predicate(router)` names (bounded wait)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        name = predicate(router)
-        if name is not None:
-            pid = router.pool.workers[name].pid
-            os.kill(pid, sig)
-            return name, pid
-        await asyncio.sleep(0.002)
-    raise AssertionError("the moment to kill never came")
+    # a short polling pause: the kill must land at the moment the predicate names
+    name = await async_wait_until(lambda: predicate(router), timeout_s, interval_s=0.002,
+                                  message="the moment to kill never came")
+    pid = router.pool.workers[name].pid
+    os.kill(pid, sig)
+    return name, pid
 
 
 def test_decode_worker_killed_mid_stream(tiny_llama):

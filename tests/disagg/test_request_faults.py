@@ -10,13 +10,13 @@ import signal
 import time
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.disagg.messages import AddRequest
 from kvbaton.engine.errors import RequestFailedError, RequestTimeoutError
 from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
 
 
 def test_hostile_request_sent_past_the_router_fails_alone(tiny_llama, tmp_path):

@@ -7,8 +7,8 @@ import asyncio
 import os
 import signal
 
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
 
 MAX_NEW = 24
 

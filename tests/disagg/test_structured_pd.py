@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import jsonschema
 import pytest
-from pd_harness import kill_when, router_over, run
 
 from kvbaton import LLM
 from kvbaton.config import CacheConfig
@@ -20,6 +18,8 @@ from kvbaton.disagg.flight import Phase
 from kvbaton.disagg.router import Router
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.structured.spec import StructuredOutput
+from tests.support.pd import kill_when, router_over, run
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -63,9 +63,9 @@ def test_grammar_survives_pd_handoff_and_failover(default_model_dir):
             tasks = [asyncio.create_task(_collect(router, f"kill{i}", p)) for i, p in enumerate(prompts[4:])]
             await kill_when(router, "kvbaton-decode-1", Phase.DECODING, 4)
             after = await asyncio.gather(*tasks)
-            deadline = time.monotonic() + 90  # let the replacement join before everything stops
-            while "kvbaton-decode-1" not in router.pool.workers and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
+            # let the replacement join before everything stops
+            await async_wait_until(lambda: "kvbaton-decode-1" in router.pool.workers, 90.0, interval_s=0.1,
+                                   message="the replacement of kvbaton-decode-1 did not join")
             return pd, after
 
     pd, after = run(scenario())

@@ -4,20 +4,22 @@ malformed, pickled, oversized), logs it, and goes on serving; workers are named 
 from __future__ import annotations
 
 import pickle
-import time
 from pathlib import Path
 
 import msgspec
 import zmq
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.disagg.messages import Shutdown, ToWorker
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SignedCodec
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.wait import async_wait_until
 
 
 def test_bad_frames_are_refused_and_the_worker_keeps_serving(tiny_llama, tmp_path):
     prompt = tiny_prompts(3, [12])[0]
+
+    log = tmp_path / "kvbaton-both-0.log"
 
     async def scenario():
         async with router_over(tiny_llama, prefill=0, decode=1, log_dir=tmp_path) as router:
@@ -34,14 +36,16 @@ def test_bad_frames_are_refused_and_the_worker_keeps_serving(tiny_llama, tmp_pat
                 sock.send(frame)
             sock.close()
             ctx.term()
-            time.sleep(1.0)
+            # the worker has refused the bad frames (each is logged) before it is asked to serve again
+            await async_wait_until(lambda: log.read_text().count("refused a frame") >= 5, 30.0,
+                                   message=lambda: f"the worker did not refuse the frames: {log.read_text()}")
             out = await collect(router, "after-bad-frames", prompt, 10)
             return out, worker.pid, Path(f"/proc/{worker.pid}/cmdline").read_bytes()
 
     out, pid, cmdline = run(scenario())
     assert out == hf_greedy(tiny_llama, [prompt], 10)[0]
     assert cmdline.split(b"\0")[0].startswith(b"kvbaton-both-0")
-    log = (tmp_path / "kvbaton-both-0.log").read_text()
-    assert log.count("refused a frame") >= 5, log
-    assert "bad signature" in log and "too short" in log
+    text = log.read_text()
+    assert text.count("refused a frame") >= 5, text
+    assert "bad signature" in text and "too short" in text
     assert not Path("/tmp/kvbaton-pwned").exists()

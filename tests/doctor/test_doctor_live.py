@@ -10,9 +10,9 @@ import random
 
 import httpx
 import pytest
-from served import served
 
 from kvbaton.cli import main as cli_main
+from tests.support.server import served
 
 pytestmark = pytest.mark.slow
 

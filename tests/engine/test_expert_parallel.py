@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
 
 from kvbaton import LLM
 from kvbaton.kv.processes import free_port
+from tests.support.helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
 
 RANK_SCRIPT = str(Path(__file__).with_name("ep_rank.py"))
 MAX_NEW = 10
@@ -117,8 +117,9 @@ def _skewed_checkpoint(out: Path) -> Path:
     """A tiny Qwen3-MoE (16 experts, top-2) whose routing favours experts 0-2: every token's embedding carries
     a constant component that those experts' gate rows reward (the skew survives the norms)."""
     import torch
-    from helpers import build_tiny_tokenizer
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from tests.support.helpers import build_tiny_tokenizer
 
     cfg = Qwen3MoeConfig(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,

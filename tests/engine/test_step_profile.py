@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import build_tiny_checkpoint
 
 from kvbaton.cli import main
 from kvbaton.engine.step_profile import PROFILE_FORMAT, QUICK_GRID
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.profiled import ProfiledLatency
+from tests.support.helpers import build_tiny_checkpoint
 
 
 def expected_shape(point: dict[str, int]) -> dict[str, int]:

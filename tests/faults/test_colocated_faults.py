@@ -16,7 +16,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from server_harness import child_pids, kvbaton_server, pid_alive
+
+from tests.support.procs import child_pids, pid_alive
+from tests.support.server import kvbaton_server
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -76,13 +79,10 @@ async def stream_until_signal(base: str, pid: int, sig: signal.Signals,
 
 
 def wait_health(base: str, status: int, timeout_s: float) -> float:
-    """Poll /health until it answers `status` (bounded); the time it did."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if httpx.get(f"{base}/health", timeout=5).status_code == status:
-            return time.monotonic()
-        time.sleep(0.02)
-    raise AssertionError(f"/health did not answer {status} within {timeout_s} s")
+    """Poll /health until it answers `status` (bounded); the time it did (to the polling pause, 20 ms)."""
+    wait_until(lambda: httpx.get(f"{base}/health", timeout=5).status_code == status, timeout_s, interval_s=0.02,
+               message=f"/health did not answer {status}")
+    return time.monotonic()
 
 
 def fault_and_recover(base: str, server_pid: int, sig: signal.Signals, reference: str) -> dict:
@@ -128,12 +128,12 @@ def test_a_worker_that_keeps_dying_ends_with_its_slot_down(server, reference):
         victim = state["pid"]
         os.kill(victim, signal.SIGKILL)
         wait_health(base, 503, 5)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+
+        def replaced_or_down(victim: int = victim) -> dict | None:
             state = worker(base)
-            if state.get("state") == "down" or state.get("pid") not in (None, victim):
-                break
-            time.sleep(0.1)
+            return state if state.get("state") == "down" or state.get("pid") not in (None, victim) else None
+
+        state = wait_until(replaced_or_down, 30.0, interval_s=0.1, message="the worker was neither replaced nor down")
         if state.get("state") == "down":
             break
         wait_health(base, 200, 30)

@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import assert_pools_clean, collect, kill_when, router_over, run, tiny_prompts
 
 from kvbaton.disagg.flight import Phase
 from kvbaton.engine.errors import EngineError
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import assert_pools_clean, collect, kill_when, router_over, run
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -22,10 +23,8 @@ MAX_NEW = 64  # prompt + output stay within the tiny model's 256 positions
 
 
 async def time_until(predicate: Callable[[], bool], timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.005)
+    """When `predicate` came true (bounded wait)."""
+    await async_wait_until(predicate, timeout_s, interval_s=0.005, message="timed out")
     return time.monotonic()
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import pid_alive
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.engine.errors import EngineDeadError
+from tests.support.helpers import tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.procs import pid_alive
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,10 +34,8 @@ def test_a_dead_event_loop_takes_the_pool_down_loudly(tiny_llama):
                     collect(router, "r0", prompt, 200, break_the_pool), 30)
             except EngineDeadError as exc:
                 streamed = exc
-            for _ in range(100):  # the fence is asynchronous (bounded wait)
-                if not pid_alive(pid):
-                    break
-                await asyncio.sleep(0.05)
+            # the fence is asynchronous (bounded wait)
+            await async_wait_until(lambda: not pid_alive(pid), 30.0, message=f"the fenced worker {pid} is alive")
             refused = None
             try:
                 await collect(router, "r1", prompt, 4)

@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
-from helpers import hf_greedy
-from pd_harness import collect, router_over, run, tiny_prompts
 
 from kvbaton.kv.redis_server import start_redis_server
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 16

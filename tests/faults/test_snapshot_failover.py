@@ -14,8 +14,11 @@ import signal
 
 import httpx
 import pytest
-from helpers import hf_greedy
-from server_harness import kvbaton_server, pid_alive
+
+from tests.support.helpers import hf_greedy
+from tests.support.procs import pid_alive
+from tests.support.server import kvbaton_server
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -50,10 +53,8 @@ async def run_and_kill(base: str, victim_pid: int) -> list[list[str]]:
     progress = [0] * NUM_STREAMS
     async with httpx.AsyncClient(timeout=httpx.Timeout(600)) as client:
         tasks = [asyncio.create_task(stream(client, base, p, progress, i)) for i, p in enumerate(prompts())]
-        for _ in range(6000):  # bounded: 10 min
-            if min(progress) >= KILL_AFTER or any(t.done() for t in tasks):
-                break
-            await asyncio.sleep(0.1)
+        await async_wait_until(lambda: min(progress) >= KILL_AFTER or any(t.done() for t in tasks), 600.0,
+                               interval_s=0.1, message="streams did not get going")  # bounded: 10 min
         assert min(progress) >= KILL_AFTER and not any(t.done() for t in tasks), "streams did not get going"
         os.kill(victim_pid, signal.SIGKILL)
         return await asyncio.gather(*tasks)

@@ -28,7 +28,6 @@ import httpx
 import pytest
 import requests
 import schemathesis
-from common.soak import is_idle, stats, wait_idle, workers
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -36,7 +35,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core import NotSet
 from schemathesis.core.failures import Failure, FailureGroup
 from schemathesis.specs.openapi import schemas as _openapi_schemas  # noqa: F401
-from served import Served, served
+
+from kvbaton.bench.soak import is_idle, stats, wait_idle, workers
+from tests.support.server import Served, served
 
 pytestmark = pytest.mark.slow
 # NOTE: the OpenAPI loader's modules are imported above, at collection, not on the first fuzz run: pytest rewrites

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_VOCAB, hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.kernels import (
@@ -22,6 +21,7 @@ from kvbaton.kernels import (
 from kvbaton.kernels.kv_quant import dequantize_rows, quantize_rows
 from kvbaton.kernels.linear import amx_enabled, dot_linear, pack_amx
 from kvbaton.platform.cpu import detect_cpu
+from tests.support.helpers import TINY_VOCAB, hf_greedy
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY_VOCAB
 
 import kvbaton.kernels.moe as moe
 from kvbaton import LLM, SamplingParams
@@ -33,6 +32,7 @@ from kvbaton.layers.compute_paths import MOE_KERNEL_ENV
 from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
 from kvbaton.layers.moe.router import TopKRouter
 from kvbaton.platform.cpu import detect_cpu
+from tests.support.helpers import TINY_VOCAB
 
 # NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 assert cpu_kernels() is not None, "kvbaton's C kernels did not build (is a C compiler installed?)"
@@ -283,7 +283,7 @@ def test_fp32_engine_keeps_the_pytorch_loop(tiny_moe_models):
 def test_deterministic_moe_output_is_independent_of_batching(tiny_moe_models, path):
     """--deterministic with the MoE kernels (the gate for every row count, AMX tiles for every expert): a
     request's greedy output is the same alone, in a batch of 8 and prefilled in chunks on one thread."""
-    from helpers import deterministic_prompts, greedy
+    from tests.support.helpers import deterministic_prompts, greedy
 
     model = str(tiny_moe_models["qwen3_moe"])
     llm = LLM(model, dtype="bfloat16", deterministic=True, num_threads=2, compute_path=path, block_size=8)

@@ -4,9 +4,9 @@ through kvbaton is token-identical to transformers' float32 greedy generate."""
 from __future__ import annotations
 
 import pytest
-from helpers import hf_greedy
 
 from kvbaton import LLM, SamplingParams
+from tests.support.helpers import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,8 @@ def test_text_prompt_and_stop_string(llm):
 def test_logprobs_match_transformers_within_tolerance(default_model_dir, llm, prompts):
     """Next-token log-probabilities after a real prompt agree with transformers within 1e-3."""
     import torch
-    from helpers import hf_logits
+
+    from tests.support.helpers import hf_logits
 
     ref = torch.log_softmax(hf_logits(default_model_dir, prompts[1])[-1], -1)
     out = llm.generate([{"prompt_token_ids": prompts[1]}], SamplingParams(temperature=0, max_tokens=1, logprobs=10))

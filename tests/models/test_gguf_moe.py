@@ -12,19 +12,18 @@ cannot be rebuilt from GGUF metadata, so the conversion here takes the HF direct
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
-from helpers import MOE_ARCHS, TINY_VOCAB, hf_greedy, hf_logits
 from safetensors.torch import load_file
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError, ModelConfig
 from kvbaton.models.gguf_convert import convert_gguf
+from tests.support.helpers import MOE_ARCHS, hf_greedy, hf_logits, tiny_prompts
 
 MAX_NEW = 8
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
@@ -171,11 +170,6 @@ def converted(tiny_moe_models, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in lengths]
-
-
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_converted_weights_and_config_equal_the_checkpoint(tiny_moe_models, converted, arch):
     hf, ours = _hf_weights(tiny_moe_models[arch]), _hf_weights(converted[arch])
@@ -187,7 +181,7 @@ def test_converted_weights_and_config_equal_the_checkpoint(tiny_moe_models, conv
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_converted_greedy_matches_transformers(tiny_moe_models, converted, arch):
-    prompts = _prompts(0, [1, 29])
+    prompts = tiny_prompts(0, [1, 29])
     llm = LLM(str(converted[arch]), dtype="float32")
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
@@ -211,7 +205,7 @@ def test_q8_0_experts_convert_within_quantization_error(tiny_moe_models, tmp_pat
         assert (ours[name] - w).abs().max() <= 0.6 * step, name
     assert not torch.equal(ours["model.layers.0.mlp.experts.3.down_proj.weight"],
                            hf["model.layers.0.mlp.experts.3.down_proj.weight"])
-    prompt = _prompts(1, [24])[0]
+    prompt = tiny_prompts(1, [24])[0]
     llm = LLM(str(out), dtype="float32")
     (res,) = llm.generate([{"prompt_token_ids": prompt}],
                           SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0))

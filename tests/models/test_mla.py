@@ -5,12 +5,10 @@ chunked prefill, prefix hits, preemption, a KV store tier, and prefill/decode di
 from __future__ import annotations
 
 import asyncio
-import random
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_VOCAB, build_deepseek_checkpoint, hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError, ModelConfig
@@ -19,6 +17,7 @@ from kvbaton.layers.linear import Linear
 from kvbaton.layers.mla import LatentAttention
 from kvbaton.layers.rope import RotaryEmbedding
 from kvbaton.models.deepseek import rotate_interleaved
+from tests.support.helpers import build_deepseek_checkpoint, greedy_checked, hf_greedy, tiny_prompts
 
 MAX_NEW = 12
 LENGTHS = [1, 3, 16, 17, 40, 77]
@@ -33,18 +32,6 @@ VARIANTS = {
 }
 
 
-def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in lengths]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_new))
-    llm.engine.check_integrity()
-    assert llm.engine.kv_cache.pool.usage() == 0.0, "blocks still referenced after all requests finished"
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek")
@@ -53,7 +40,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def references(checkpoints):
-    prompts = _prompts(0, LENGTHS)
+    prompts = tiny_prompts(0, LENGTHS)
     return prompts, {name: hf_greedy(path, prompts, MAX_NEW) for name, path in checkpoints.items()}
 
 
@@ -73,23 +60,23 @@ def test_config_and_layout(checkpoints):
 def test_mixed_batch_matches_transformers(checkpoints, references, name):
     prompts, refs = references
     llm = LLM(str(checkpoints[name]), dtype="float32", num_blocks=64)
-    assert _generate(llm, prompts) == refs[name]
+    assert greedy_checked(llm, prompts, MAX_NEW) == refs[name]
 
 
 def test_small_chunked_prefill_matches(checkpoints, references):
     """Chunks of at most 7 tokens, most with prior context read back from the pool, beside decodes."""
     prompts, refs = references
     llm = LLM(str(checkpoints["q_lora"]), dtype="float32", max_num_batched_tokens=7, block_size=4, num_blocks=256)
-    assert _generate(llm, prompts) == refs["q_lora"]
+    assert greedy_checked(llm, prompts, MAX_NEW) == refs["q_lora"]
 
 
 def test_prefix_cache_hits_match(checkpoints):
-    shared = _prompts(1, [40])[0]
-    prompts = [shared + tail for tail in _prompts(2, [5, 9, 1])] + [shared[:33]]
+    shared = tiny_prompts(1, [40])[0]
+    prompts = [shared + tail for tail in tiny_prompts(2, [5, 9, 1])] + [shared[:33]]
     refs = hf_greedy(checkpoints["q_lora"], prompts, MAX_NEW)
     llm = LLM(str(checkpoints["q_lora"]), dtype="float32", block_size=8, num_blocks=64)
-    assert _generate(llm, prompts[:1]) == refs[:1]  # warms the cache with the shared prefix
-    assert _generate(llm, prompts[1:]) == refs[1:]
+    assert greedy_checked(llm, prompts[:1], MAX_NEW) == refs[:1]  # warms the cache with the shared prefix
+    assert greedy_checked(llm, prompts[1:], MAX_NEW) == refs[1:]
     stats = llm.engine.kv_cache.prefix_cache_stats()
     assert stats.hit_tokens >= 3 * 32, stats  # every later prompt reused >= 4 full blocks
 
@@ -97,7 +84,7 @@ def test_prefix_cache_hits_match(checkpoints):
 def test_preemption_with_tiny_pool_matches(checkpoints, references):
     prompts, refs = references
     llm = LLM(str(checkpoints["q_lora"]), dtype="float32", block_size=4, num_blocks=32)
-    assert _generate(llm, prompts) == refs["q_lora"]
+    assert greedy_checked(llm, prompts, MAX_NEW) == refs["q_lora"]
     assert llm.engine.stats().num_preemptions > 0
 
 
@@ -185,7 +172,7 @@ def test_interleaved_rope_matches_transformers():
 def test_1p1d_matches_transformers(checkpoints, references, transport):
     """Prefill workers hand the latent blocks over layer by layer; a repeated prompt is a full prefix hit on
     the decode worker, over the blocks it received."""
-    from disagg.pd_harness import collect, router_over, run
+    from tests.support.pd import collect, router_over, run
 
     prompts, refs = references
     chosen = [0, 1, 2, 4]  # 1, 3, 16 and 40 tokens (blocks of 4: under one block, whole blocks, a partial one)

@@ -4,9 +4,9 @@ output (float32) on tiny random checkpoints: mixed batches, chunked prefill, pre
 from __future__ import annotations
 
 import pytest
-from helpers import MOE_ARCHS, greedy_checked, hf_greedy, tiny_prompts
 
 from kvbaton import LLM, SamplingParams
+from tests.support.helpers import MOE_ARCHS, greedy_checked, hf_greedy, tiny_prompts
 
 MAX_NEW = 12
 

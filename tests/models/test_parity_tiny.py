@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import greedy_checked, hf_greedy, hf_logits, tiny_prompts
 
 from kvbaton import LLM, SamplingParams
+from tests.support.helpers import greedy_checked, hf_greedy, hf_logits, tiny_prompts
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3"]
 MAX_NEW = 12

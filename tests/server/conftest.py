@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import pytest
-from server_harness import kvbaton_server
+
+from tests.support.server import kvbaton_server
 
 
 @pytest.fixture(scope="session")

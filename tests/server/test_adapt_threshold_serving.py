@@ -8,8 +8,8 @@ anything a CPU decodes at, so TPOT is always near it and what decides is the mea
 share of the decode worker's step time that its prompt chunks took (on this machine 40-70%; the bar is 15%).
 Both pools are pinned to one worker (min = max = 1), so the threshold is the only thing that can move. Asserted:
 the threshold is lowered to 256 within LOWER_S of the first request, logged with its reason, in /metrics and in
-GET /admin/autoscaler; requests after it go through the prefill worker; and every request completes with all
-its tokens.
+GET /admin/autoscaler; requests after it go through the prefill worker (the load goes on until one has, bounded
+by ROUTED_S); and every request completes with all its tokens.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from served import Served, served, stream_completion
+
+from tests.support.server import Served, served, stream_completion
+from tests.support.wait import async_wait_until
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS, USERS = 16, 3
-LOWER_S, AFTER_S = 30.0, 3.0
+LOWER_S, ROUTED_S = 30.0, 30.0
 SERVE_ARGS = ("--prefill", "1", "--decode", "1", "--threads", "1", "--max-model-len", "1024", "--autoscale",
               "--slo-ttft-ms", "60000", "--slo-tpot-ms", "1", "--min-prefill", "1", "--max-prefill", "1",
               "--min-decode", "1", "--max-decode", "1", "--autoscale-interval", "1", "--autoscale-cooldown", "3",
@@ -49,7 +51,8 @@ def _routing(base: str) -> dict:
 
 
 async def _load(srv: Served) -> tuple[list[dict], float, dict, dict]:
-    """Users stream requests until the threshold has been lowered and AFTER_S more have passed."""
+    """Users stream requests until the threshold has been lowered and a prompt has gone through the prefill
+    worker since."""
     results: list[dict] = []
     stop = asyncio.Event()
 
@@ -63,13 +66,22 @@ async def _load(srv: Served) -> tuple[list[dict], float, dict, dict]:
         start = time.monotonic()
         users = [asyncio.create_task(user(u, client)) for u in range(USERS)]
         try:
-            while (await asyncio.to_thread(_routing, srv.base))["local_prefill_threshold"] == 512:
-                assert time.monotonic() - start < LOWER_S, "the threshold was not lowered in time"
+            async def lowered() -> bool:
+                if (await asyncio.to_thread(_routing, srv.base))["local_prefill_threshold"] != 512:
+                    return True
                 assert not any(u.done() for u in users), [u.exception() for u in users if u.done()]
-                await asyncio.sleep(0.25)
+                return False
+
+            await async_wait_until(lowered, LOWER_S, interval_s=0.25, message="the threshold was not lowered in time")
             lowered_s = time.monotonic() - start
             at_change = await asyncio.to_thread(_routing, srv.base)
-            await asyncio.sleep(AFTER_S)
+
+            async def routed_to_prefill() -> bool:  # a prompt since the change went through the prefill worker
+                now = await asyncio.to_thread(_routing, srv.base)
+                return now["counters"]["disaggregated"] > at_change["counters"]["disaggregated"]
+
+            await async_wait_until(routed_to_prefill, ROUTED_S, interval_s=0.25,
+                                   message="no prompt went through the prefill worker after the change")
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*users), 120)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pytest
-from server_harness import kvbaton_server
+
+from tests.support.server import kvbaton_server, wait_idle
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -21,16 +21,6 @@ def client(default_server) -> openai.OpenAI:
 
 def _stats(base: str) -> dict:
     return httpx.get(f"{base}/stats", timeout=10).json()
-
-
-def _wait_idle(base: str, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stats = _stats(base)
-        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0.0:
-            return stats
-        time.sleep(0.2)
-    raise AssertionError(f"server did not return to idle: {_stats(base)}")
 
 
 def test_completion_streamed_equals_whole_and_offline_engine(client, default_model_dir):
@@ -111,7 +101,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(default_server, cl
         assert error["param"] == param, error
     ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens == 3
-    _wait_idle(default_server)
+    wait_idle(default_server)
 
 
 def test_client_disconnect_mid_stream_frees_blocks(default_server):
@@ -124,11 +114,10 @@ def test_client_disconnect_mid_stream_frees_blocks(default_server):
             if line.startswith("data: {"):
                 break  # streaming has begun; 2000 tokens leave tens of seconds before it could finish
         # /stats is the workers' last heartbeat, so it may lag the first token by an interval.
-        deadline = time.monotonic() + 10.0
-        while _stats(default_server)["num_running"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: _stats(default_server)["num_running"] == 1, 10.0,
+                   message=lambda: f"the stream is not running: {_stats(default_server)}")
         assert _stats(default_server)["num_running"] == 1
-    stats = _wait_idle(default_server)
+    stats = wait_idle(default_server)
     assert stats["num_in_flight"] == 0
 
 

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from server_harness import child_pids, kvbaton_server
+
+from tests.support.procs import child_pids
+from tests.support.server import kvbaton_server, wait_idle
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -101,17 +103,6 @@ def _post(base: str, path: str, body: dict | str, **headers: str) -> httpx.Respo
                       headers={"Content-Type": "application/json", **headers})
 
 
-def _wait_idle(base: str, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = httpx.get(f"{base}/stats", timeout=10).json()
-        if (stats["num_running"], stats["num_waiting"], stats["kv_cache_usage"], stats["num_in_flight"],
-                stats["num_pending_admission"]) == (0, 0, 0.0, 0, 0):
-            return stats
-        assert time.monotonic() < deadline, f"server did not return to idle: {stats}"
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("path, body, param", HOSTILE, ids=[f"{i}-{p}" for i, (_, _, p) in enumerate(HOSTILE)])
 def test_hostile_request_gets_4xx_naming_the_param(default_server, path, body, param):
     r = _post(default_server, path, body)
@@ -128,7 +119,7 @@ def test_after_the_hostile_table_a_valid_request_is_answered_and_the_server_idle
     parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]
     chat = _post(default_server, CHAT, {**_chat(parts), "max_tokens": 3})
     assert chat.status_code == 200, chat.text
-    _wait_idle(default_server)
+    wait_idle(default_server)
 
 
 def test_hostile_table_against_pd_serving_harms_no_worker(default_model_dir):
@@ -142,7 +133,7 @@ def test_hostile_table_against_pd_serving_harms_no_worker(default_model_dir):
             assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, r.text[:500]
         ok = _post(base, C, {"model": MODEL, "prompt": "Hello there, how", "max_tokens": 3, "temperature": 0})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3, ok.text
-        _wait_idle(base)
+        wait_idle(base)
         workers = httpx.get(f"{base}/workers", timeout=10).json()["workers"]
         assert {w["name"]: w["pid"] for w in workers} == pids and all(w["healthy"] for w in workers)
 
@@ -180,7 +171,7 @@ def test_body_over_the_limit_is_refused_up_front_and_while_read(default_server):
     assert response.startswith("HTTP/1.1 413") and "max-request-bytes" in response and seconds < 10, response
     r = _post(default_server, C, {"prompt": "hi " * (7 * 2**20)})  # 21 MB at the default 4 MiB limit
     assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
-    _wait_idle(default_server)
+    wait_idle(default_server)
 
 
 def test_a_slow_client_holds_up_no_one_and_its_leaving_frees_everything(default_server):
@@ -201,7 +192,12 @@ def test_a_slow_client_holds_up_no_one_and_its_leaving_frees_everything(default_
         fast = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 24, "temperature": 0}
         alone = _post(default_server, C, fast).json()["choices"][0]["text"]
         with ThreadPoolExecutor(1) as pool:
-            reader = pool.submit(lambda: [(slow.recv(64), time.sleep(0.05)) for _ in range(60)])
+            def trickle() -> None:  # the slow client: 64 bytes per 50 ms
+                for _ in range(60):
+                    slow.recv(64)
+                    time.sleep(0.05)  # noqa: TID251 - a client that stalls on purpose is the behaviour under test
+
+            reader = pool.submit(trickle)
             gaps, last, text = [], None, ""
             with httpx.stream("POST", f"{default_server}{C}", json={**fast, "stream": True}, timeout=60) as r:
                 for line in r.iter_lines():
@@ -216,7 +212,7 @@ def test_a_slow_client_holds_up_no_one_and_its_leaving_frees_everything(default_
         assert httpx.get(f"{default_server}/stats", timeout=10).json()["num_in_flight"] == 1  # the slow one
     finally:
         slow.close()
-    _wait_idle(default_server)
+    wait_idle(default_server)
 
 
 def test_tokenizer_encodes_alike_from_many_threads(default_model_dir):
@@ -322,7 +318,7 @@ def test_a_20mb_prompt_is_refused_without_stalling_other_streams(guarded_server)
           f"was handled ({len(during)} tokens)")
     # NOTE: the margin is over what this machine shows anyway (a busy CI box has second-long steps).
     assert max(during) < 1.0 + max(baseline)
-    _wait_idle(guarded_server)
+    wait_idle(guarded_server)
 
 
 def test_beyond_loopback_without_admin_key_admin_is_off_and_engine_death_ends_streams(default_model_dir):

@@ -11,10 +11,10 @@ import sys
 
 import httpx
 import pytest
-from helpers import hf_greedy
-from server_harness import kvbaton_server
 
 from kvbaton.engine.tokenizer import Tokenizer
+from tests.support.helpers import hf_greedy
+from tests.support.server import kvbaton_server
 
 pytestmark = pytest.mark.slow
 

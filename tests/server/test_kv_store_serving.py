@@ -5,14 +5,14 @@ stays token-identical to transformers (float32), and `/stats` counts the tokens 
 from __future__ import annotations
 
 import glob
-import random
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from helpers import hf_greedy
-from server_harness import kvbaton_server
+
+from tests.support.helpers import hf_greedy, prompt_of
+from tests.support.server import kvbaton_server
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,6 @@ def complete(base: str, prompt: list[int]) -> dict:
 
 def text_of(base: str, token_ids: list[int]) -> str:
     return httpx.post(f"{base}/detokenize", json={"tokens": token_ids}, timeout=30).json()["prompt"]
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def arenas_of(pid: int) -> list[str]:
@@ -84,9 +79,8 @@ def test_pd_prefill_worker_loads_a_prefix_the_decode_worker_computed(tier, defau
 def test_pd_moves_quantized_kv_with_its_scales(kind, default_model_dir):
     """1P+1D with a quantized pool on both: the blocks (codes and scales) cross the wire as bytes, and the
     decode worker's output equals the same engine's colocated output."""
-    from helpers import greedy
-
     from kvbaton import LLM
+    from tests.support.helpers import greedy
 
     prompt = prompt_of(150, seed=21)
     colocated = greedy(LLM(dtype="float32", kv_cache_dtype=kind), MAX_NEW, [prompt])[0]
@@ -95,12 +89,9 @@ def test_pd_moves_quantized_kv_with_its_scales(kind, default_model_dir):
                         "--kv-store", "shm") as (base, _):
         out = complete(base, prompt)
         assert out["choices"][0]["text"] == text_of(base, colocated)
-        written = 0
-        for _ in range(50):  # the prefill worker's writes follow its last output; a heartbeat brings them (bounded)
-            written = httpx.get(f"{base}/stats").json()["kv_store"][0]["bytes_written"]
-            if written:
-                break
-            time.sleep(0.1)
+        # the prefill worker's writes follow its last output; a heartbeat brings them (bounded)
+        written = wait_until(lambda: httpx.get(f"{base}/stats").json()["kv_store"][0]["bytes_written"], 30.0,
+                             interval_s=0.1, message="the tier reports no bytes written")
         assert written > 0  # the tier holds the quantized blocks
 
 

@@ -5,8 +5,9 @@ placement and balance (EPLB has re-placed the experts), and `/metrics` exports t
 from __future__ import annotations
 
 import httpx
-from helpers import hf_greedy
-from server_harness import kvbaton_server
+
+from tests.support.helpers import hf_greedy
+from tests.support.server import kvbaton_server
 
 PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 250, 31, 8, 64], [12] * 20]
 MAX_NEW = 8

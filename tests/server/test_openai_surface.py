@@ -8,14 +8,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from server_harness import kvbaton_server
+
+from tests.support.server import kvbaton_server
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -349,7 +350,7 @@ def test_n_samples_share_their_prompts_kv(default_server) -> None:
     out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1.0, seed=2, n=4)
     assert len(out.choices) == 4
     full_blocks = (out.usage.prompt_tokens - 1) // 16 * 16
-    deadline = time.monotonic() + 15  # the counters come with the workers' load reports
-    while hit_tokens() - before < 3 * full_blocks and time.monotonic() < deadline:
-        time.sleep(0.2)
+    # the counters come with the workers' load reports
+    wait_until(lambda: hit_tokens() - before >= 3 * full_blocks, 15.0, interval_s=0.2,
+               message=lambda: f"{hit_tokens() - before} prefix-cache hit tokens, {3 * full_blocks} expected")
     assert hit_tokens() - before >= 3 * full_blocks

@@ -8,7 +8,9 @@ import time
 
 import httpx
 import pytest
-from server_harness import kvbaton_server
+
+from tests.support.server import kvbaton_server
+from tests.support.wait import async_wait_until, wait_until
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
@@ -38,19 +40,18 @@ def test_overload_gets_fast_503_and_admitted_requests_finish(default_model_dir):
             assert "server busy" in body["error"]["message"] and body["error"]["code"] == 503
             assert seconds < 5.0
         assert all(body["usage"]["completion_tokens"] == 16 for _, _, _, body in ok)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
+        def drained() -> dict | None:
             stats = httpx.get(f"{base}/stats").json()
-            if stats["kv_cache_usage"] == 0.0 and stats["num_in_flight"] == 0:
-                break
-            time.sleep(0.2)
+            return stats if stats["kv_cache_usage"] == 0.0 and stats["num_in_flight"] == 0 else None
+
+        stats = wait_until(drained, 30.0, interval_s=0.2, message="the KV cache did not empty")
         assert stats["kv_cache_usage"] == 0.0 and stats["num_pending_admission"] == 0, stats
         metrics = httpx.get(f"{base}/metrics").text
         assert f'kvbaton:request_rejected_total{{model_name="{MODEL}"}} {float(len(busy))}' in metrics
 
 
 def test_engine_core_death_is_reported_not_hung(default_model_dir):
-    from server_harness import child_pids
+    from tests.support.procs import child_pids
 
     with kvbaton_server("--dtype", "float32") as (base, proc):
         core_pid = child_pids(proc.pid)[0]
@@ -62,7 +63,11 @@ def test_engine_core_death_is_reported_not_hung(default_model_dir):
         async def run():
             async with httpx.AsyncClient(timeout=60) as client:
                 task = asyncio.create_task(client.post(f"{base}/v1/completions", json=body))
-                await asyncio.sleep(2.0)
+
+                async def running() -> bool:  # the engine core is at work on it (/stats: its last heartbeat)
+                    return (await client.get(f"{base}/stats")).json()["num_running"] >= 1
+
+                await async_wait_until(running, 60.0, interval_s=0.1, message="the request never ran")
                 os.kill(core_pid, signal.SIGKILL)
                 return await task
 

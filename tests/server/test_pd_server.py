@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import hf_greedy
-from server_harness import kvbaton_server
+
+from tests.support.helpers import hf_greedy
+from tests.support.server import kvbaton_server
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,10 @@ import shutil
 from pathlib import Path
 
 import httpx
-from helpers import hf_greedy
-from server_harness import kvbaton_server, pid_alive
+
+from tests.support.helpers import hf_greedy
+from tests.support.procs import pid_alive
+from tests.support.server import kvbaton_server
 
 
 def _redis_pids() -> set[int]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from server_harness import kvbaton_server
 
 import kvbaton
+from tests.support.server import kvbaton_server
 
 pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"

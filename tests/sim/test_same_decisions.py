@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import tiny_prompts
 
 from kvbaton import LLM
 from kvbaton.config import SchedulerConfig
@@ -17,6 +16,7 @@ from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.sim.instance import ArrivalClock, SimInstance, sim_request
 from kvbaton.sim.latency import LinearLatency
 from kvbaton.sim.spec import InstanceSpec
+from tests.support.helpers import tiny_prompts
 
 Decision = tuple[tuple[tuple[str, int, int, bool], ...], frozenset[str], frozenset[str]]
 

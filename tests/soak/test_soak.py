@@ -1,6 +1,6 @@
 """A bounded soak of one colocated `kvbaton serve`: mixed load, then the server must be as before.
 
-The load (benchmarks/common/soak.py, also run for longer by benchmarks/soak.py) mixes whole and
+The load (kvbaton/bench/soak.py, also run for longer by benchmarks/soak.py) mixes whole and
 streamed requests of random lengths on both endpoints, streams cut mid-way by closing the
 connection, whole requests abandoned before their answer, and requests with stop strings, from
 CONCURRENCY clients with seeded RNGs. A warm-up round runs the same mix first, so that the RSS
@@ -17,8 +17,9 @@ import os
 import time
 
 import pytest
-from common.soak import Kind, Outcome, SoakConfig, rss_mib, run_soak, stats, wait_idle, workers
-from served import served
+
+from kvbaton.bench.soak import Kind, Outcome, SoakConfig, rss_mib, run_soak, stats, wait_idle, workers
+from tests.support.server import served
 
 pytestmark = pytest.mark.slow
 

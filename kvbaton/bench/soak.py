@@ -11,8 +11,8 @@ Each of `concurrency` clients loops until the deadline, drawing from its own see
 with a fresh prompt of random words (random from the first word on, so the prefix cache cannot
 make the load trivial), a random length and a random `max_tokens`, on either endpoint.
 
-Shared by tests/soak/test_soak.py (bounded, in CI) and benchmarks/soak.py (long). It is a plain
-HTTP client: it imports nothing of the serving stack.
+Shared by tests/soak/test_soak.py (bounded, in CI), the idle checks of tests/fuzz/test_api_fuzz.py and
+benchmarks/soak.py (long). It is a plain HTTP client: it imports nothing of the serving stack.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -67,8 +68,8 @@ class SoakConfig:
 
 @dataclass
 class SoakResult:
-    counts: Counter = field(default_factory=Counter)  # (Kind, Outcome) -> requests
-    statuses: Counter = field(default_factory=Counter)  # HTTP status -> requests (those that got one)
+    counts: Counter[tuple[Kind, Outcome]] = field(default_factory=Counter)  # (Kind, Outcome) -> requests
+    statuses: Counter[int] = field(default_factory=Counter)  # HTTP status -> requests (those that got one)
     latencies_s: list[float] = field(default_factory=list)  # end to end, served requests only
     errors: list[str] = field(default_factory=list)  # one line per error (the first few hundred)
 
@@ -103,7 +104,7 @@ class SoakResult:
 class Planned:
     kind: Kind
     endpoint: str
-    body: dict
+    body: dict[str, Any]
     cut_after_chunks: int = 0  # DISCONNECT: chunks read before the connection is closed
     close_after_s: float = 0.0  # EARLY_CLOSE: how long we wait before closing
 
@@ -112,8 +113,8 @@ def plan_request(rng: random.Random, config: SoakConfig) -> Planned:
     kinds, weights = zip(*config.weights)
     kind = rng.choices(kinds, weights)[0]
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(config.min_prompt_words, config.max_prompt_words)))
-    body: dict = {"max_tokens": rng.randint(1, config.max_tokens), "temperature": rng.choice((0.0, 0.0, 0.7, 1.0)),
-                  "seed": rng.randrange(2**31)}
+    body: dict[str, Any] = {"max_tokens": rng.randint(1, config.max_tokens),
+                            "temperature": rng.choice((0.0, 0.0, 0.7, 1.0)), "seed": rng.randrange(2**31)}
     chat = rng.random() < 0.5
     if chat:
         body["messages"] = [{"role": "user", "content": words}]
@@ -129,14 +130,14 @@ def plan_request(rng: random.Random, config: SoakConfig) -> Planned:
                    cut_after_chunks=rng.randint(1, 6), close_after_s=rng.uniform(0.05, 1.0))
 
 
-def _choice_text(choice: dict) -> str:
+def _choice_text(choice: dict[str, Any]) -> str:
     if "text" in choice:
         return choice["text"] or ""
     message = choice.get("message") or choice.get("delta") or {}
     return message.get("content") or ""
 
 
-def check_whole(planned: Planned, answer: dict) -> str | None:
+def check_whole(planned: Planned, answer: dict[str, Any]) -> str | None:
     """Why a whole answer is wrong, or None."""
     choice = answer["choices"][0]
     text, usage = _choice_text(choice), answer["usage"]
@@ -248,20 +249,20 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def workers(base_url: str) -> list[dict]:
+def workers(base_url: str) -> list[dict[str, Any]]:
     return httpx.get(f"{base_url}/workers", timeout=10, trust_env=False).json()["workers"]
 
 
-def stats(base_url: str) -> dict:
+def stats(base_url: str) -> dict[str, Any]:
     return httpx.get(f"{base_url}/stats", timeout=10, trust_env=False).json()
 
 
-def is_idle(s: dict) -> bool:
+def is_idle(s: dict[str, Any]) -> bool:
     return (s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_cache_usage"] == 0.0
             and s["num_in_flight"] == 0 and s["num_pending_admission"] == 0)
 
 
-def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict | None:
+def wait_idle(base_url: str, timeout_s: float = 30.0) -> dict[str, Any] | None:
     """`/stats` once the server is idle, or None if it is not within `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""A real router over real worker processes, for the disaggregation tests."""
+"""A real router over real worker processes, for the disaggregation and fault tests (the one PD harness)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,8 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import random
 import signal
 import time
-
-from helpers import TINY_VOCAB
 
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import CacheConfig, EngineConfig
@@ -19,13 +16,9 @@ from kvbaton.disagg.router import Router, RouterConfig
 from kvbaton.disagg.worker_pool import PoolConfig
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
+from tests.support.wait import async_wait_until
 
 POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)}
-
-
-def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in lengths]
 
 
 @contextlib.asynccontextmanager
@@ -54,15 +47,16 @@ async def router_over(model_dir, prefill: int, decode: int, transport: str = "sh
 async def assert_pools_clean(router: Router, wait_s: float = 5.0) -> None:
     """Every surviving worker's KV pool passes its integrity check and holds nothing (bounded wait:
     a worker may still be releasing an aborted transfer)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
-    while True:
+    dirty: dict = {}
+
+    async def clean() -> bool:
+        nonlocal dirty
         reports = await router.check_workers()
         dirty = {name: r for name, r in reports.items() if r.error or r.num_requests or r.kv_cache_usage}
-        if not dirty or loop.time() > deadline:
-            break
-        await asyncio.sleep(0.2)
-    assert not dirty, f"workers not clean after the scenario: {dirty}"
+        return not dirty
+
+    await async_wait_until(clean, wait_s, interval_s=0.2,
+                           message=lambda: f"workers not clean after the scenario: {dirty}")
 
 
 async def collect(router: Router, request_id: str, prompt: list[int], max_tokens: int, on_token=None) -> list[int]:
@@ -81,11 +75,12 @@ def run(coro):
 
 async def kill_when(router: Router, name: str, phase: Phase, min_tokens: int, timeout_s: float = 60.0) -> float:
     """SIGKILL `name` once a flight on it is in `phase` with at least `min_tokens` streamed; the kill time."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def reached() -> bool:
         on_it = [f for f in router.flights.values() if name in (f.prefill, f.decode) and f.phase == phase]
-        if any(len(f.tokens) >= min_tokens for f in on_it):
-            os.kill(router.pool.workers[name].pid, signal.SIGKILL)
-            return time.monotonic()
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"no flight on {name} reached {phase.value} in time")
+        return any(len(f.tokens) >= min_tokens for f in on_it)
+
+    # a short polling pause: the kill must land while the flight is still in `phase`
+    await async_wait_until(reached, timeout_s, interval_s=0.002, message=f"no flight on {name} reached {phase.value}")
+    os.kill(router.pool.workers[name].pid, signal.SIGKILL)
+    return time.monotonic()

@@ -1,11 +1,14 @@
-"""Shared test helpers: tiny random checkpoints and the transformers greedy oracle."""
+"""Shared test helpers: tiny random checkpoints, prompts and the transformers reference outputs (the oracle)."""
 
 from __future__ import annotations
 
-import os
+import random
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from tests.support.budget import release_memory
 
 TINY_VOCAB = 320
 
@@ -66,10 +69,14 @@ def save_random_checkpoint(cfg, out_dir: Path, seed: int) -> Path:
 
 def tiny_prompts(seed: int, lengths: list[int]) -> list[list[int]]:
     """Random token ids (1 .. TINY_VOCAB - 1) of the given lengths."""
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(1, TINY_VOCAB) for _ in range(n)] for n in lengths]
+
+
+def prompt_of(n: int, seed: int) -> list[int]:
+    """`n` random token ids (100 .. 39999) for the default model: distinct per seed, so no prefix is shared."""
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def greedy_checked(llm, prompts: list[list[int]], max_new: int) -> list[list[int]]:
@@ -83,8 +90,9 @@ def greedy_checked(llm, prompts: list[list[int]], max_new: int) -> list[list[int
 
 
 def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: int,
-              eos_token_id: int | list[int] | None = None) -> list[list[int]]:
-    """transformers' greedy `generate`, float32, one prompt at a time (no padding effects)."""
+              eos_token_id: int | list[int] | None = None, **generate_kwargs: Any) -> list[list[int]]:
+    """transformers' greedy `generate`, float32, one prompt at a time (no padding effects): the parity oracle.
+    `generate_kwargs` go to `generate` as they are (`min_new_tokens`, `repetition_penalty`, `sequence_bias`...)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
@@ -93,46 +101,27 @@ def hf_greedy(model_dir: Path | str, prompts: list[list[int]], max_new_tokens: i
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                  eos_token_id=eos_token_id, pad_token_id=0, attention_mask=torch.ones(1, len(ids),
-                                 dtype=torch.long))
+                                 dtype=torch.long), **generate_kwargs)
         outs.append(gen[0, len(ids):].tolist())
+    del model
+    release_memory()  # NOTE: the oracle's model is big beside the engine under test (the suite's RSS budget)
     return outs
 
 
 def hf_logits(model_dir: Path | str, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits for every position of `ids` (one forward pass, no cache): the logits oracle."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0]
-
-
-# ---- processes ---------------------------------------------------------------------------
-
-
-def child_pids(pid: int) -> list[int]:
-    """Children of every thread of `pid` (a worker may be started from a thread other than the main one)."""
-    pids: list[int] = []
-    for children in sorted(Path(f"/proc/{pid}/task").glob("*/children")):
-        try:
-            pids += [int(p) for p in children.read_text().split()]
-        except FileNotFoundError:  # the thread exited meanwhile
-            pass
-    return pids
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
-    return state != "Z"
+        logits = model(torch.tensor([ids])).logits[0]
+    del model
+    release_memory()
+    return logits
 
 
 def deterministic_prompts(vocab: int, count: int, seed: int = 11) -> list[list[int]]:
     """Random token ids of mixed lengths (5-150): distinct prompts, so no prefix cache hides a difference."""
-    import random
-
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(rng.randrange(5, 150))] for _ in range(count)]
 

@@ -16,11 +16,12 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.support.wait import wait_until
 
 MODEL = "fake-model"
 
@@ -73,7 +74,8 @@ class FakeOpenAIServer:
         if chat:
             yield _sse(_chunk(chat, None))
         for i in range(n):
-            await asyncio.sleep(fake.get("delay_s", self.token_delay_s))
+            # the fake server's simulated per-token latency: pacing the stream is the behaviour under test
+            await asyncio.sleep(fake.get("delay_s", self.token_delay_s))  # noqa: TID251 - simulated latency
             if i == fake.get("drop_after"):
                 raise RuntimeError("fake server drops the connection")
             yield _sse(_chunk(chat, f"w{i} "))
@@ -91,10 +93,7 @@ class FakeOpenAIServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert self._server.started, "fake server did not start"
+        wait_until(lambda: self._server.started, 10.0, interval_s=0.01, message="fake server did not start")
         return self
 
     @property
