@@ -1,7 +1,9 @@
 """A KV sender in its own process, for the cross-process connector tests.
 
-    KVBATON_CLUSTER_SECRET=... python tests/kv/kv_peer.py --transport shm --address tcp://... \
-        --seed 3 --dtype bfloat16 --src 1,5,2 --dst 7,0,3 [--shared] [--layers N --then hang]
+    KVBATON_CLUSTER_SECRET=... [KVBATON_TEST_REDIS_URL=...] python -m tests.kv.kv_peer --transport shm \
+        --address tcp://... --seed 3 --dtype bfloat16 --src 1,5,2 --dst 7,0,3 [--shared] [--layers N --then hang]
+
+(from the repository root, or with it on PYTHONPATH: `tests.support.helpers.repo_python_env`).
 
 Builds the pools `seeded_pools` makes (so the test can rebuild the expected rows), sends request
 "x", and prints one JSON line per event: {"event": "ready"|"sent"|"done", ...}. It never outlives
@@ -19,12 +21,14 @@ import time
 
 import torch
 
-from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_sender
+from kvbaton.kv.connectors import ConnectorConfig, PollResult, TransferSpec, make_sender
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import KVPools
 from kvbaton.wire import SECRET_ENV
+from tests.support.wait import wait_until
 
 LAYERS, BLOCK, HEADS, DIM, BLOCKS = 4, 4, 2, 8, 48
+REDIS_URL_ENV = "KVBATON_TEST_REDIS_URL"  # a secret (it holds the password): environment, not argv
 
 
 def kv_layout(dtype: torch.dtype, head_dim: int = DIM) -> KVLayout:
@@ -77,7 +81,8 @@ def main() -> None:
         seeded_pools(args.seed, dtype, out=pools.caches)
     else:
         pools = KVPools(layout, seeded_pools(args.seed, dtype))
-    config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), worker_name="kvpeer")
+    config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), redis_url=os.environ.get(REDIS_URL_ENV),
+                             worker_name="kvpeer")
     sender = make_sender(config, pools)
     src = [int(b) for b in args.src.split(",")]
     dst = [int(b) for b in args.dst.split(",")]
@@ -88,14 +93,17 @@ def main() -> None:
         sender.save_layer(layer, ["x"])
     emit("sent", layers=args.layers)
     if args.then == "hang":
-        time.sleep(args.max_s)
-    deadline = time.monotonic() + 20.0
-    while time.monotonic() < deadline:
+        time.sleep(args.max_s)  # noqa: TID251 - a sender that stalls mid-transfer is the behaviour under test
+
+    def ended() -> PollResult | None:
         result = sender.poll()
-        if result.completed or result.failed:
-            emit("done", completed=result.completed, failed=result.failed)
-            break
-        time.sleep(0.005)
+        return result if result.completed or result.failed else None
+
+    try:
+        result = wait_until(ended, 20.0, interval_s=0.005, message="the transfer did not end")
+        emit("done", completed=result.completed, failed=result.failed)
+    except AssertionError:
+        pass  # no "done" line: the test waiting for it reports the peer's silence
     sender.close()
     pools.close()  # unlinks a shared pool's segment
     sys.exit(0)

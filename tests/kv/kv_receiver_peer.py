@@ -2,7 +2,7 @@
 helpers those tests share.
 
     KVBATON_CLUSTER_SECRET=... [KVBATON_TEST_REDIS_URL=...] \
-        python tests/kv/kv_receiver_peer.py --transport redis --dtypes bfloat16,float32 --dst 7,0,3
+        python -m tests.kv.kv_receiver_peer --transport redis --dtypes bfloat16,float32 --dst 7,0,3
 
 One receiver per dtype expects request "x-<dtype>" into `--dst`; prints {"event": "ready",
 "addresses": {dtype: address}}, then, once every one is reported, {"event": "done", dtype:
@@ -23,16 +23,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from kv_peer import BLOCK, BLOCKS, DIM, HEADS, LAYERS, kv_layout
 
 from kvbaton.kv.connectors import ConnectorConfig, PollResult, make_receiver
 from kvbaton.kv.pools import KVPools, block_view
 from kvbaton.wire import SECRET_ENV
-
-REDIS_URL_ENV = "KVBATON_TEST_REDIS_URL"  # a secret (it holds the password): environment, not argv
+from tests.kv.kv_peer import BLOCK, BLOCKS, DIM, HEADS, LAYERS, REDIS_URL_ENV, kv_layout
+from tests.support.procs import repo_python_env
+from tests.support.wait import wait_until
 
 
 def pools(dtype: torch.dtype, seed: int | None = None) -> list[torch.Tensor]:
@@ -77,15 +76,14 @@ class Outcome:
 def poll_until(sides: list, until, timeout_s: float = 10.0, outcomes: list[Outcome] | None = None) -> list[Outcome]:
     """Poll every connector in `sides` until `until(*outcomes)`; a bounded wait."""
     outcomes = outcomes or [Outcome() for _ in sides]
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def done() -> bool:
         for side, outcome in zip(sides, outcomes):
             outcome.add(side.poll())
-        if until(*outcomes):
-            return outcomes
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not done within {timeout_s} s: {outcomes}")
-        time.sleep(0.005)
+        return until(*outcomes)
+
+    wait_until(done, timeout_s, interval_s=0.005, message=lambda: f"not done: {outcomes}")
+    return outcomes
 
 
 def poll_for(sides: list, seconds: float) -> list[Outcome]:
@@ -95,15 +93,15 @@ def poll_for(sides: list, seconds: float) -> list[Outcome]:
     while time.monotonic() < end:
         for side, outcome in zip(sides, outcomes):
             outcome.add(side.poll())
-        time.sleep(0.005)
+        time.sleep(0.005)  # noqa: TID251 - watching a fixed window for what must NOT happen: the window is the check
     return outcomes
 
 
 def spawn(transport: str, dtypes: list[str], dst: list[int], env: dict[str, str]) -> subprocess.Popen:
-    """Start this file as a receiver process; the caller stops it by PID (`proc.kill()`)."""
-    cmd = [sys.executable, str(Path(__file__)), "--transport", transport, "--dtypes", ",".join(dtypes),
+    """Start this module as a receiver process; the caller stops it by PID (`proc.kill()`)."""
+    cmd = [sys.executable, "-m", "tests.kv.kv_receiver_peer", "--transport", transport, "--dtypes", ",".join(dtypes),
            "--dst", ",".join(map(str, dst))]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=repo_python_env(env))
 
 
 def read_event(proc: subprocess.Popen, timeout_s: float) -> dict:

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import greedy
 
 from kvbaton import LLM
 from kvbaton.engine.kv_quality import compare, greedy_agreement, next_token_logprobs
 from kvbaton.kernels import paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kernels.kv_quant import dequantize_rows, quantize_rows
 from kvbaton.kv.layout import KVLayout
+from tests.support.helpers import greedy
 
 TEXT = Path(__file__).parent.parent / "data" / "kv_quality_text.txt"
 STORAGE = {"int8": torch.int8, "fp8_e4m3": torch.uint8}

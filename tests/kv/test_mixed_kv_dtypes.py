@@ -5,17 +5,17 @@ real redis-server); a transport that cannot convert refuses with the reason."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
-from kv_peer import BLOCKS, kv_layout
 
 from kvbaton.kernels.kv_quant import dequantize_rows, quantize_rows
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.convert import convert_slots
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
 from kvbaton.kv.pools import KVPools, allocate_pools
+from tests.kv.kv_peer import BLOCKS, kv_layout
+from tests.support.wait import wait_until
 
 SECRET = b"kvbaton-test-secret-0123456789ab"
 # (prefill, decode): quantizing, dequantizing, widening, narrowing, and between two quantized formats
@@ -74,15 +74,16 @@ def transfer(sender, receiver, src_ids: list[int], dst_ids: list[int], request_i
     for layer in range(sender.layout.num_layers):
         sender.save_layer(layer, [request_id])
     r_done, s_done, r_failed, s_failed = [], [], [], []
-    deadline = time.monotonic() + 10.0
-    while not (r_done or r_failed) or not (s_done or s_failed):
-        assert time.monotonic() < deadline, "the transfer did not end"
-        time.sleep(0.002)
+
+    def ended() -> bool:
         r, s = receiver.poll(), sender.poll()
-        r_done += r.completed
-        r_failed += r.failed
-        s_done += s.completed
-        s_failed += s.failed
+        r_done.extend(r.completed)
+        r_failed.extend(r.failed)
+        s_done.extend(s.completed)
+        s_failed.extend(s.failed)
+        return bool((r_done or r_failed) and (s_done or s_failed))
+
+    wait_until(ended, 10.0, interval_s=0.002, message="the transfer did not end")
     return r_failed, s_failed
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import secrets
 
-import kv_receiver_peer as peer
 import pytest
 import torch
 
@@ -13,6 +12,7 @@ from kvbaton.cli import build_parser, deployment_from_args
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender
 from kvbaton.kv.connectors.mooncake.engine import check_data_plane, is_loopback
 from kvbaton.kv.pools import KVPools
+from tests.kv import kv_receiver_peer as peer
 
 SECRET = secrets.token_hex(16).encode()
 

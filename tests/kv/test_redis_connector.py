@@ -1,4 +1,7 @@
-"""The redis KV transport against a real, private redis-server (started here, stopped by PID)."""
+"""What only the redis KV transport has, against a real, private redis-server (started here, stopped by PID):
+keys under a TTL, deleted once read; data tampered with in the store; notices that name keys or other blocks; an
+abort racing the receiver; the private server itself; a dead store. The contract every transport keeps is
+tests/kv/test_transport_contract.py; pairs come from the `make_pair` fixture (tests/kv/transports.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +10,7 @@ import os
 import random
 import secrets
 import socket
-import time
 
-import kv_receiver_peer as peer
 import msgspec
 import pytest
 import redis
@@ -17,36 +18,17 @@ import torch
 
 from kvbaton.kv.connectors import ConnectorConfig, TransferSpec, make_receiver, make_sender
 from kvbaton.kv.connectors.redis import KEY_PREFIX, LayerStored, Notice, dst_digest
-from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
+from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import KVPools
 from kvbaton.kv.redis_server import redis_server_binary, start_redis_server
-from kvbaton.wire import SECRET_ENV, SignedCodec
+from kvbaton.wire import SignedCodec
+from tests.kv import kv_receiver_peer as peer
+from tests.kv.transports import REDIS_TTL_S as TTL_S
+from tests.kv.transports import SECRET
 
 # NOTE: no skip: scripts/setup.sh installs redis-server, so its absence is a set-up failure to see.
 assert redis_server_binary() is not None, "redis-server is not installed (scripts/setup.sh installs it with apt-get)"
 
-SECRET = secrets.token_hex(16).encode()
-TTL_S = 30
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-@pytest.fixture
-def connectors(server):
-    """make(dtype) -> (sender, receiver, src pools, dst pools); everything is closed after the test."""
-    made = []
-
-    def make(dtype: torch.dtype = torch.bfloat16, secret: bytes = SECRET):
-        config = ConnectorConfig("redis", secret, redis_url=server.url, redis_ttl_s=TTL_S, worker_name="t")
-        src, dst = peer.pools(dtype, seed=len(made)), peer.pools(dtype)
-        layout = peer.kv_layout(dtype)
-        pair = (make_sender(config, KVPools(layout, src)), make_receiver(config, KVPools(layout, dst)), src, dst)
-        made.append(pair)
-        return pair
-
-    yield make
-    for sender, receiver, _, _ in made:
-        sender.close()
-        receiver.close()
 
 
 def blocks(seed: int, n: int = 6) -> tuple[list[int], list[int]]:
@@ -60,61 +42,27 @@ def spec(request_id: str, src: list[int], dst: list[int], receiver: str, layout:
                         layout=layout, deadline_s=deadline_s)
 
 
+def unpark(store: redis.Redis, parked: str, address: str) -> None:
+    """Move every parked notice to the receiver's list in one transaction, the way a sender's pipeline delivers
+    them: a receiver blocked in BLPOP is served after it, so it never sees the list half moved."""
+    with store.pipeline(transaction=True) as pipe:
+        for _ in range(store.llen(parked)):
+            pipe.lmove(parked, address)
+        pipe.execute()
+
+
 def data_keys(store: redis.Redis, request_id: str) -> list[bytes]:
     return sorted(store.scan_iter(match=f"{KEY_PREFIX}{request_id}:*"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_rows_land_only_after_the_last_layer_and_only_in_poll(connectors, dtype):
-    sender, receiver, src, dst = connectors(dtype)
-    src_ids, dst_ids = blocks(1)
-    receiver.expect("a", dst_ids, 10.0)
-    sender.begin(spec("a", src_ids, dst_ids, receiver.address, sender.layout))
-    for layer in range(peer.LAYERS - 1):
-        sender.save_layer(layer, ["a"])
-    s, r = peer.poll_for([sender, receiver], 0.5)
-    assert not (s.completed or s.failed or r.completed or r.failed)
-
-    sender.save_layer(peer.LAYERS - 1, ["a"])
-    (s,) = peer.poll_until([sender], lambda s: s.ended("a"))
-    assert s.completed == {"a"}  # every layer is in the store: the prefill blocks may go
-    time.sleep(0.3)  # the reader thread has the last layer by now, but only poll() may write the pool
-    assert not dst[-1].any()
-
-    (r,) = peer.poll_until([receiver], lambda r: r.ended("a"))
-    assert r.completed == {"a"} and not r.failed
-    for got, want in zip(peer.rows(dst, dst_ids), peer.rows(src, src_ids)):
-        assert torch.equal(got, want)
-    assert peer.others_zero(dst, dst_ids)
+def redis_pair(make_pair):
+    """(sender, receiver, src pools, dst pools) of a redis pair over the module's redis-server."""
+    pair = make_pair("redis")
+    return pair.sender, pair.receiver, pair.src, pair.dst
 
 
-def test_sender_and_receiver_in_different_processes(server):
-    src_ids, dst_ids = blocks(2, n=10)
-    proc = peer.spawn("redis", list(DTYPES), dst_ids, {SECRET_ENV: SECRET.decode(), peer.REDIS_URL_ENV: server.url})
-    config = ConnectorConfig("redis", SECRET, redis_url=server.url, redis_ttl_s=TTL_S)
-    srcs = {name: peer.pools(dtype, seed=7) for name, dtype in DTYPES.items()}
-    senders = {name: make_sender(config, KVPools(peer.kv_layout(DTYPES[name]), src)) for name, src in srcs.items()}
-    try:
-        ready = peer.read_event(proc, 30.0)
-        for name, sender in senders.items():
-            sender.begin(spec(f"x-{name}", src_ids, dst_ids, ready["addresses"][name], sender.layout))
-            for layer in range(peer.LAYERS):
-                sender.save_layer(layer, [f"x-{name}"])
-        outcomes = peer.poll_until(list(senders.values()), lambda *o: all(x.completed or x.failed for x in o))
-        done = peer.read_event(proc, 15.0)
-    finally:
-        for sender in senders.values():
-            sender.close()
-        proc.kill()
-        proc.wait(5)
-    for name, outcome in zip(senders, outcomes):
-        assert outcome.completed == {f"x-{name}"}
-        assert done[name]["completed"] == [f"x-{name}"] and done[name]["others_zero"]
-        assert done[name]["digests"] == peer.digests(srcs[name], src_ids)
-
-
-def test_keys_carry_a_ttl_and_are_deleted_after_reading(connectors, store):
-    sender, receiver, src, dst = connectors()
+def test_keys_carry_a_ttl_and_are_deleted_after_reading(make_pair, store):
+    sender, receiver, src, dst = redis_pair(make_pair)
     parked = f"kvbaton:kvq:parked:{secrets.token_hex(4)}"  # notifications wait here until we move them
     src_ids, dst_ids = blocks(3)
     receiver.expect("b", dst_ids, 10.0)
@@ -128,16 +76,15 @@ def test_keys_carry_a_ttl_and_are_deleted_after_reading(connectors, store):
     assert all(0 < store.ttl(k) <= TTL_S for k in keys)
     assert 0 < store.ttl(parked) <= TTL_S and store.llen(parked) == peer.LAYERS
 
-    while store.lmove(parked, receiver.address):
-        pass
+    unpark(store, parked, receiver.address)
     (r,) = peer.poll_until([receiver], lambda r: r.ended("b"))
     assert r.completed == {"b"}
     assert store.exists(*keys) == 0 and data_keys(store, "b") == []
     assert store.exists(receiver.address) == 0  # the notification list is drained too
 
 
-def test_tampered_data_is_refused_and_the_receiver_keeps_working(connectors, store):
-    sender, receiver, src, dst = connectors()
+def test_tampered_data_is_refused_and_the_receiver_keeps_working(make_pair, store):
+    sender, receiver, src, dst = redis_pair(make_pair)
     parked = f"kvbaton:kvq:parked:{secrets.token_hex(4)}"
     src_ids, dst_ids = blocks(4)
     receiver.expect("c", dst_ids, 10.0)
@@ -147,16 +94,17 @@ def test_tampered_data_is_refused_and_the_receiver_keeps_working(connectors, sto
     peer.poll_until([sender], lambda s: s.completed == {"c"})
     victim = data_keys(store, "c")[1]
     store.setrange(victim, 5, b"\x7f\x7f\x7f")  # same length, different bytes
-    while store.lmove(parked, receiver.address):
-        pass
+    unpark(store, parked, receiver.address)
     (r,) = peer.poll_until([receiver], lambda r: r.ended("c"))
     assert "SHA-256" in r.failed["c"]
 
     _transfer_completes(sender, receiver, "c2", src, dst, seed=5)
 
 
-def test_forged_unsigned_and_misdirected_notices_are_refused(connectors, store):
-    sender, receiver, src, dst = connectors()
+def test_unauthenticated_notices_touch_no_key_and_misdirected_ones_are_dropped(make_pair, store):
+    """Notices naming keys that hold data: unsigned or another cluster's touch no key; a signed one for other
+    destination blocks is dropped. (Junk and forged notices in general: the transport contract.)"""
+    sender, receiver, src, dst = redis_pair(make_pair)
     src_ids, dst_ids = blocks(6)
     receiver.expect("d", dst_ids, 10.0)
     payload = torch.zeros(len(dst_ids), sender.layout.block_numel, dtype=torch.bfloat16).view(torch.uint8).numpy()
@@ -169,8 +117,7 @@ def test_forged_unsigned_and_misdirected_notices_are_refused(connectors, store):
                            hashlib.sha256(payload).digest(), sender.layout.dtype)
 
     unsigned = msgspec.msgpack.encode(notice(0, dst_ids))
-    frames = [b"", b"junk", unsigned, b"\0" * 32 + unsigned,
-              SignedCodec(b"not-the-cluster-secret", Notice).encode(notice(1, dst_ids)),
+    frames = [unsigned, SignedCodec(b"not-the-cluster-secret", Notice).encode(notice(1, dst_ids)),
               # signed, but for other destination blocks (a stale attempt): dropped, "d" unharmed
               SignedCodec(SECRET, Notice).encode(notice(2, dst_ids[::-1]))]
     store.rpush(receiver.address, *frames)
@@ -188,50 +135,10 @@ def test_forged_unsigned_and_misdirected_notices_are_refused(connectors, store):
         assert torch.equal(got, want)
 
 
-def test_deadlines_fail_both_sides(connectors):
-    sender, receiver, src, dst = connectors()
-    src_ids, dst_ids = blocks(7)
-    receiver.expect("lonely", dst_ids, 0.3)  # nothing will ever come
-    receiver.expect("slow", dst_ids, 10.0)
-    sender.begin(spec("slow", src_ids, dst_ids, receiver.address, sender.layout, deadline_s=0.3))
-    sender.save_layer(0, ["slow"])  # and never the rest
-    started = time.monotonic()
-    s, r = peer.poll_until([sender, receiver], lambda s, r: s.ended("slow") and r.ended("slow") and r.ended("lonely"))
-    assert time.monotonic() - started < 5.0  # the receiver hears of the sender's deadline, not its own
-    assert "deadline" in s.failed["slow"]
-    assert "within 0.3 s" in r.failed["lonely"]
-    assert "gave up" in r.failed["slow"]
-    assert all(not p.any() for p in dst[1:])  # layer 0 may have landed; nothing else did
-
-
-def test_cancel_and_abort(connectors, store):
-    sender, receiver, src, dst = connectors()
-    src_ids, dst_ids = blocks(8)
-    receiver.expect("cancelled", dst_ids, 10.0)
-    receiver.cancel("cancelled")
-    sender.begin(spec("cancelled", src_ids, dst_ids, receiver.address, sender.layout))
-    for layer in range(peer.LAYERS):
-        sender.save_layer(layer, ["cancelled"])
-    s, r = peer.poll_for([sender, receiver], 0.6)
-    assert s.completed == {"cancelled"}
-    assert not r.completed and not r.failed and all(not p.any() for p in dst)  # late data dropped
-    assert data_keys(store, "cancelled") == []  # ...and deleted
-
-    receiver.expect("aborted", dst_ids, 10.0)
-    sender.begin(spec("aborted", src_ids, dst_ids, receiver.address, sender.layout))
-    sender.save_layer(0, ["aborted"])
-    sender.abort("aborted")
-    s, r = peer.poll_until([sender, receiver], lambda s, r: r.ended("aborted"))
-    assert "aborted" in r.failed["aborted"]
-    s2 = peer.poll_for([sender], 0.2)[0]
-    assert not (s.completed or s.failed or s2.completed or s2.failed)  # abort() is not reported
-    assert data_keys(store, "aborted") == []
-
-
-def test_a_layer_deleted_by_an_abort_reports_the_abort_not_expiry(connectors, store):
+def test_a_layer_deleted_by_an_abort_reports_the_abort_not_expiry(make_pair, store):
     """The race a clean-clone CI run hit: the receiver takes a layer's notice, the sender aborts and deletes the
     layer, the receiver finds it gone. Parking the notices replays that order every time."""
-    sender, receiver, src, dst = connectors()
+    sender, receiver, src, dst = redis_pair(make_pair)
     parked = f"kvbaton:kvq:parked:{secrets.token_hex(4)}"
     src_ids, dst_ids = blocks(9)
     for request_id in ("expired", "aborted"):
@@ -244,8 +151,7 @@ def test_a_layer_deleted_by_an_abort_reports_the_abort_not_expiry(connectors, st
         else:
             sender.abort(request_id)
             peer.poll_until([sender], lambda s, rid=request_id: store.llen(parked) == 2 and not data_keys(store, rid))
-        while store.lmove(parked, receiver.address):
-            pass
+        unpark(store, parked, receiver.address)
         (r,) = peer.poll_until([receiver], lambda r, rid=request_id: r.ended(rid))
         reason = r.failed[request_id]
         assert ("gave up: aborted by the prefill worker" in reason) == (request_id == "aborted"), reason
@@ -253,12 +159,8 @@ def test_a_layer_deleted_by_an_abort_reports_the_abort_not_expiry(connectors, st
     assert not any(p.any() for p in dst)
 
 
-def test_layout_mismatch_and_missing_url(connectors, server):
-    sender, receiver, src, dst = connectors()
-    other = KVLayout.standard(num_layers=peer.LAYERS, block_size=peer.BLOCK * 2, num_kv_heads=peer.HEADS,
-                              head_dim=peer.DIM, dtype="bfloat16")
-    with pytest.raises(KVLayoutMismatch, match="block_size"):
-        sender.begin(spec("e", [0], [0], receiver.address, other))
+def test_a_missing_url_is_refused(make_pair):
+    sender = redis_pair(make_pair)[0]
     with pytest.raises(ValueError, match="redis_url"):
         make_sender(ConnectorConfig("redis", SECRET), sender.pools)
 

@@ -6,13 +6,12 @@ with them. A copy from shared memory stays in the step (cheaper there on a CPU).
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
-from helpers import hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import KVStoreConfig
+from tests.support.helpers import hf_greedy, prompt_of
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +32,6 @@ def arena(tmp_path) -> KVStoreConfig:
     name = f"bg{os.getpid()}-{tmp_path.name[-16:]}"
     yield KVStoreConfig(tiers=("shm",), shm_name=name, shm_gb=0.25)
     remove_arenas(name)
-
-
-def prompt_of(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def engine(store: KVStoreConfig) -> LLM:

@@ -1,12 +1,13 @@
-"""The L4 Redis tier against real, private redis-servers (started here, stopped by PID): roundtrip,
-TTL, corruption, a killed and a stalled server behind the circuit breaker, and allkeys-lru capacity."""
+"""What only the L4 Redis tier has, against real, private redis-servers (started here, stopped by PID): a TTL on
+every key, a killed and a stalled server behind the circuit breaker, a bounded write queue, and allkeys-lru
+capacity. The contract every tier keeps (roundtrip, misses, refresh, expiry, corrupt and misplaced records,
+threads, ...) is test_tier_contract.py."""
 
 from __future__ import annotations
 
 import os
 import random
 import signal
-import threading
 import time
 
 import pytest
@@ -87,82 +88,15 @@ def timed(call) -> tuple[object, float]:
     return result, time.monotonic() - start
 
 
-def test_roundtrip_contains_and_ttl_on_every_block(server, store, tiers):
+def test_every_block_carries_the_ttl(server, store, tiers):
+    """Every SET carries PX ttl_ms: no block outlives ttl_s after its last write, on the server's own clock."""
     tier = tiers(server.url, ttl_s=30.0)
-    keys = [new_key() for _ in range(4)]
-    for i, key in enumerate(keys[:3]):
+    keys = [new_key() for _ in range(3)]
+    for i, key in enumerate(keys):
         assert tier.put(key, filler(payload(i)))
     tier.flush()
-
-    for i, key in enumerate(keys[:3]):
-        assert read(tier, key) == payload(i)
-    assert tier.contains(keys) == 3
-    assert tier.contains([keys[3], *keys[:3]]) == 0  # leading keys only
-    assert tier.contains([]) == 0
-    for key in keys[:3]:
+    for key in keys:
         assert 0 < store.pttl(PREFIX + key_text(key)) <= 30_000
-    s = tier.stats()
-    assert (s.hits, s.misses, s.errors, s.corrupt, s.dropped_writes) == (3, 0, 0, 0, 0)
-    assert s.bytes_read == s.bytes_written == 3 * PAYLOAD and s.blocks == 3 and s.read_bandwidth > 0
-
-
-def test_absent_key_is_a_miss(server, tiers):
-    tier = tiers(server.url)
-    assert read(tier, new_key()) is None
-    s = tier.stats()
-    assert (s.hits, s.misses, s.errors) == (0, 1, 0)
-
-
-def test_put_of_a_present_key_overwrites_it_and_restarts_its_ttl(server, store, tiers):
-    tier = tiers(server.url, ttl_s=30.0)
-    key = new_key()
-    tier.put(key, filler(payload(1)))
-    tier.flush()
-    store.pexpire(PREFIX + key_text(key), 5_000)
-    tier.put(key, filler(payload(2)))
-    tier.flush()
-    assert store.pttl(PREFIX + key_text(key)) > 5_000
-    assert read(tier, key) == payload(2)
-
-
-def test_blocks_expire_after_their_ttl(server, tiers):
-    tier = tiers(server.url, ttl_s=0.3)
-    key = new_key()
-    tier.put(key, filler(payload(3)))
-    tier.flush()
-    assert tier.contains([key]) == 1
-    deadline = time.monotonic() + 3.0
-    while tier.contains([key]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tier.contains([key]) == 0 and read(tier, key) is None
-
-
-def test_altered_record_is_corrupt_a_miss_and_deleted(server, store, tiers):
-    tier = tiers(server.url)
-    key = new_key()
-    tier.put(key, filler(payload(4)))
-    tier.flush()
-    name = PREFIX + key_text(key)
-    value = bytearray(store.get(name))
-    value[-1] ^= 0x01
-    store.set(name, bytes(value))
-
-    assert read(tier, key) is None
-    s = tier.stats()
-    assert (s.corrupt, s.misses, s.hits, s.errors) == (1, 1, 0, 0)
-    assert not store.exists(name)
-
-
-def test_record_under_another_keys_name_is_a_miss(server, store, tiers):
-    tier = tiers(server.url)
-    a, b = new_key(), new_key()
-    tier.put(a, filler(payload(5)))
-    tier.flush()
-    store.set(PREFIX + key_text(b), store.get(PREFIX + key_text(a)))
-
-    assert read(tier, b) is None
-    assert read(tier, a) == payload(5)
-    assert tier.stats().corrupt == 1 and not store.exists(PREFIX + key_text(b))
 
 
 def test_killed_server_costs_one_error_then_nothing(own_servers, tiers):
@@ -186,7 +120,8 @@ def test_killed_server_costs_one_error_then_nothing(own_servers, tiers):
     s = tier.stats()
     assert s.errors == 1 and s.dropped_writes == 20 and s.misses == 20 and not fills  # down: no fill, no network
 
-    time.sleep(1.1)  # the breaker closes: the next call tries the (dead) server again
+    time.sleep(1.1)  # noqa: TID251 - retry_after_s (1.0 s) running out is the behaviour under test: the breaker closes,
+    # and the next call tries the (dead) server again
     assert tier.contains([key]) == 0 and tier.stats().errors == 2
 
 
@@ -200,15 +135,16 @@ def test_stalled_server_costs_one_timeout_then_recovers(own_servers, tiers):
     try:
         hit, first_s = timed(lambda: read(tier, key))
         assert hit is None and first_s < 1.5
-        start = time.monotonic()
         for i in range(10):
             assert read(tier, key) is None and tier.contains([key]) == 0
             assert tier.put(new_key(), filler(payload(i))) is False
-        assert time.monotonic() - start < 0.1  # the breaker is open: nothing waits on the socket
-        assert tier.stats().errors == 1
+        # the breaker is open: nothing waits on the socket (a call that did would time out on the stopped server
+        # and count an error), every read is a miss and every write dropped with no network
+        s = tier.stats()
+        assert (s.errors, s.misses, s.dropped_writes) == (1, 11, 10)
     finally:
         os.kill(srv.pid, signal.SIGCONT)
-    time.sleep(0.6)
+    time.sleep(0.6)  # noqa: TID251 - retry_after_s (0.5 s) running out is the behaviour under test: the breaker closes
     assert read(tier, key) == payload(7)
     assert tier.contains([key]) == 1
 
@@ -229,27 +165,6 @@ def test_writes_beyond_max_pending_are_dropped_and_a_stalled_writer_never_raises
         os.kill(srv.pid, signal.SIGCONT)
     s = tier.stats()
     assert s.dropped_writes == 10 and s.errors == 1 and s.bytes_written == 0
-
-
-def test_concurrent_puts_and_gets_keep_the_counters_consistent(server, tiers):
-    tier = tiers(server.url, max_pending=1024)
-    keys = [[new_key() for _ in range(40)] for _ in range(4)]
-
-    def worker(mine: list[bytes]) -> None:
-        for i, key in enumerate(mine):
-            tier.put(key, filler(payload(i)))
-            read(tier, mine[i // 2])
-
-    threads = [threading.Thread(target=worker, args=(mine,)) for mine in keys]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    tier.flush()
-    tier.check_integrity()
-    s = tier.stats()
-    assert s.hits + s.misses == 160 and s.blocks == 160 and s.errors == 0
-    assert all(read(tier, key) == payload(i) for mine in keys for i, key in enumerate(mine))
 
 
 def test_allkeys_lru_server_stays_within_maxmemory_and_evicts_old_blocks(own_servers, tiers):

@@ -10,12 +10,12 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import hf_greedy
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import KVStoreConfig
 from kvbaton.kv.redis_server import start_redis_server
 from kvbaton.kv.store.shm_tier import ShmTier
+from tests.support.helpers import hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from kvbaton.kv.hashing import chained_block_hashes, salted_root
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.store.keys import KEY_BYTES, StoreKeys, model_fingerprint
+from tests.support.procs import repo_python_env
 
 LAYOUT = KVLayout.standard(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
 TOKENS = list(range(100, 140))
@@ -32,14 +33,13 @@ def fake_checkpoint(path: Path, weights: bytes) -> Path:
 def test_keys_are_identical_in_other_processes_whatever_their_hash_seed(tmp_path):
     model = fake_checkpoint(tmp_path / "m", os.urandom(300_000))
     code = textwrap.dedent(f"""
-        import json, sys
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        import json
         from pathlib import Path
-        from test_store_keys import keys_here
+        from tests.kv.store.test_store_keys import keys_here
         print(json.dumps(keys_here(Path({str(model)!r}), "s")))
     """)
     theirs = [json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                                        env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60).stdout)
+                                        env=repo_python_env({"PYTHONHASHSEED": seed}), timeout=60).stdout)
               for seed in ("1", "2")]
     ours = keys_here(model, "s")
     assert theirs[0] == theirs[1] == ours
