@@ -6,9 +6,11 @@ failover) rebuilds its matcher from those tokens and goes on exactly as it would
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
+import weakref
 
 import jsonschema
 import llguidance
@@ -99,6 +101,38 @@ def test_bad_grammar_is_refused_naming_the_field(llm, spec, message) -> None:
     assert info.value.param == "structured_outputs"
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate("hello", SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # the engine goes on
+
+
+class _Caller:
+    """Stands for what a caller's frame holds (its request, its engine)."""
+
+
+def test_a_refused_spec_keeps_nothing_of_its_callers(llm) -> None:
+    """A bad spec is refused from the cache, to each caller with an error of its own: the cache holds none of
+    their frames. (It once kept the exception it raised to every caller, whose traceback grew by each caller's
+    frames: repeated bad schemas grew the process, and an engine that had refused one was never freed.)"""
+    core = llm.engine.core
+    compiler = GrammarCompiler.for_tokenizer(Tokenizer(core.model_dir).backend.to_str, core.info.vocab_size,
+                                             core.info.eos_token_ids)
+    spec, errors = StructuredOutput("regex", "(unclosed"), []
+
+    def validate(caller: _Caller) -> None:  # `caller` lives in this frame, as a request does in a server's
+        try:
+            compiler.validate(spec)
+        except InvalidRequestError as exc:
+            errors.append(exc)
+
+    try:
+        caller = _Caller()
+        alive = weakref.ref(caller)
+        for _ in range(3):  # the first while the compiler still builds its tokenizer, then from the cache
+            validate(caller)
+        assert len({id(e) for e in errors}) == 3 and all("invalid regex" in str(e) for e in errors), errors
+        del caller, errors
+        gc.collect()
+        assert alive() is None, "the compiler's cache keeps a caller's frame alive"
+    finally:
+        compiler.close()
 
 
 def test_resumed_request_rebuilds_its_matcher_from_its_tokens(llm) -> None:

@@ -20,12 +20,23 @@ SHOW_MODULES = 8
 _started = time.monotonic()
 _raised: dict[str, float] = {}  # module -> MiB by which it raised the process's peak RSS
 _module: tuple[str, float] | None = None  # the module running now, and the peak RSS when it began
+_kept: dict[str, float] = {}  # module -> MiB by which the resident set stayed higher once it ended and was released
+_resident_before: float | None = None  # the resident set, released, when the module running now began
 
 
 def peak_rss_mib() -> float:
     """This process's peak resident set size (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+def resident_mib() -> float:
+    """This process's resident set now (Linux; elsewhere the peak stands in)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+    except OSError:
+        return peak_rss_mib()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -48,26 +59,69 @@ def release_memory() -> None:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    global _module
+    global _module, _resident_before
     name = item.nodeid.split("::")[0]
     if _module is None or _module[0] != name:
+        last = _module[0] if _module is not None else None
         _close_module()
         release_memory()
-        _module = (name, peak_rss_mib())
+        resident = resident_mib()
+        if last is not None and _resident_before is not None:
+            _kept[last] = resident - _resident_before  # what the last module left alive (a leak if large)
+        _module, _resident_before = (name, peak_rss_mib()), resident
 
 
 def _close_module() -> None:
+    """Charge the module running now with what it raised the peak by (once)."""
+    global _module
     if _module is not None:
         _raised[_module[0]] = _raised.get(_module[0], 0.0) + peak_rss_mib() - _module[1]
+        _module = None
+
+
+def _report() -> dict:
+    """This process's figures: what a pytest-xdist worker sends its controller."""
+    _close_module()
+    return {"peak_mib": peak_rss_mib(), "raised": dict(_raised), "kept": dict(_kept)}
+
+
+_workers: dict[str, dict] = {}  # under pytest-xdist, the controller's copy of each worker's `_report`
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    output = getattr(session.config, "workeroutput", None)  # set only in an xdist worker
+    if output is not None:
+        output["kvbaton_budget"] = _report()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:  # noqa: ARG001 - xdist's hook: a worker finished
+    report = getattr(node, "workeroutput", {}).get("kvbaton_budget")
+    if report is not None:
+        _workers[node.gateway.id] = report
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    _close_module()
-    wall, rss = time.monotonic() - _started, peak_rss_mib()
+    if getattr(terminalreporter.config, "workeroutput", None) is not None:
+        return  # a worker: the controller reports
+    reports = {"main": _report(), **_workers}
+    raised: dict[str, float] = {}
+    kept: dict[str, float] = {}
+    for report in reports.values():
+        raised.update(report["raised"])
+        kept.update(report["kept"])
+    wall = time.monotonic() - _started
+    # Each pytest process is held to the budget (the controller of an xdist run holds no test).
+    rss = max(report["peak_mib"] for report in reports.values())
     over = [what for what, ok in (("time", wall <= BUDGET_S), ("memory", rss <= BUDGET_RSS_MIB)) if not ok]
     verdict = f"OVER BUDGET ({', '.join(over)})" if over else "within budget"
-    raised = sorted(_raised.items(), key=lambda kv: -kv[1])[:SHOW_MODULES]
-    terminalreporter.write_line("pytest peak RSS raised by: " + ", ".join(f"{m} +{g:.0f} MiB" for m, g in raised
-                                                                          if g > 0))
+    terminalreporter.write_line("pytest peak RSS raised by: " + _top(raised, 0.0))
+    terminalreporter.write_line("pytest resident set kept after: " + _top(kept, 16.0))
+    peaks = ", ".join(f"{name} {report['peak_mib']:.0f}" for name, report in reports.items())
     terminalreporter.write_line(f"suite budget: test phase {wall / 60:.1f} min (budget {BUDGET_S // 60}), pytest "
-                                f"peak RSS {rss:.0f} MiB (budget {BUDGET_RSS_MIB}): {verdict}")
+                                f"peak RSS {rss:.0f} MiB per process (budget {BUDGET_RSS_MIB}; {peaks}): {verdict}")
+
+
+def _top(mib_by_module: dict[str, float], floor: float) -> str:
+    top = sorted(mib_by_module.items(), key=lambda kv: -kv[1])[:SHOW_MODULES]
+    return ", ".join(f"{module} +{mib:.0f} MiB" for module, mib in top if mib > floor) or "none"
