@@ -8,4 +8,10 @@ bash scripts/setup.sh
 .venv/bin/lint-imports --no-cache --no-logo  # the layers hold ([tool.importlinter] in pyproject.toml)
 .venv/bin/mypy                               # the package type-checks ([tool.mypy] in pyproject.toml)
 .venv/bin/kvbaton model pull >/dev/null
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest-xdist workers: the end-to-end tests one after another on one, every other module on either
+# (tests/README.md, "Parallel"). KVBATON_TEST_WORKERS=0 runs everything in one process.
+workers=${KVBATON_TEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then
+  exec .venv/bin/python -m pytest -q "$@"
+fi
+exec .venv/bin/python -m pytest -q -n "$workers" "$@"  # scheduled by tests/conftest.py

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import MOE_ARCHS, build_tiny_checkpoint, build_tiny_moe_checkpoint
+pytest.register_assert_rewrite("tests.support")  # before the first import of it, so its asserts explain themselves
+from tests.support.helpers import MOE_ARCHS, build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest_plugins = ["tests.support.budget"]  # the suite's wall time and peak RSS, at the end of every run
@@ -34,3 +35,30 @@ def default_model_dir() -> Path:
 def tiny_llama(tiny_models) -> Path:
     """The tiny Llama of `tiny_models` (the disaggregation and fault tests' model)."""
     return tiny_models["llama"]
+
+
+# Under pytest-xdist (`scripts/test.sh` runs `-n 2`), the tests that start `kvbaton serve` or a deployment's
+# processes run one after another on one worker: on 2 cores two of them side by side would fight for the CPU their
+# deadlines assume. Every other module runs whole on either worker, beside them, its module-scoped fixtures built
+# once. (xdist's own `--dist loadgroup` cannot do this under pytest 9: it renames test ids, which pytest 9 no
+# longer lets a plugin do.)
+END_TO_END = ("tests/server/", "tests/disagg/", "tests/faults/", "tests/cluster/", "tests/soak/", "tests/fuzz/",
+              "tests/doctor/test_doctor_live.py", "tests/bench/test_bench_real_server.py", "tests/test_cli.py",
+              "tests/test_chat_client.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs whole: every end-to-end test together, else the test's module."""
+    module = nodeid.split("::")[0]
+    return "end-to-end" if module.startswith(END_TO_END) else module
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: pytest without xdist never calls it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):  # hands out work units biggest first (xdist's loadscope reorder)
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)

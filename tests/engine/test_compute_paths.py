@@ -105,8 +105,10 @@ def test_fp32_greedy_matches_transformers_on_every_path(tiny_models, path, deter
 
 @pytest.fixture(scope="module")
 def fp32_logprobs(default_model_dir):
-    llm = LLM(str(default_model_dir), dtype="float32")
-    return llm, first_logprobs(llm, default_prompts(llm))
+    """The prompts and fp32's first-token logprobs (the fp32 engine is dropped: one engine alive at a time)."""
+    llm = LLM(str(default_model_dir), dtype="float32", kv_cache_memory_gb=0.25)
+    prompts = default_prompts(llm)
+    return prompts, first_logprobs(llm, prompts)
 
 
 def default_prompts(llm: LLM) -> list[list[int]]:
@@ -125,9 +127,10 @@ def first_logprobs(llm: LLM, prompts: list[list[int]]) -> list[dict[int, float]]
 @pytest.mark.parametrize("path, deterministic", VARIANTS)
 def test_bf16_logprobs_within_tolerance_of_fp32(default_model_dir, fp32_logprobs, path, deterministic):
     runnable_here(path, deterministic, "bfloat16")
-    fp32_llm, reference = fp32_logprobs
-    llm = LLM(str(default_model_dir), dtype="bfloat16", compute_path=path, deterministic=deterministic)
-    got = first_logprobs(llm, default_prompts(fp32_llm))
+    prompts, reference = fp32_logprobs
+    llm = LLM(str(default_model_dir), dtype="bfloat16", compute_path=path, deterministic=deterministic,
+              kv_cache_memory_gb=0.25)
+    got = first_logprobs(llm, prompts)
     worst = 0.0
     for ref, lps in zip(reference, got):
         top, runner_up = sorted(ref, key=ref.__getitem__)[::-1][:2]

@@ -52,6 +52,8 @@ def test_greedy_matches_transformers_with_chunking_and_preemption(llm, prompts, 
 
 
 def test_prefix_cache_hit_keeps_output(llm, prompts, references):
+    greedy_one = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": prompts[3]}], greedy_one)  # its prompt cached, whatever ran before
     before = llm.engine.kv_cache.prefix_cache_stats().hit_tokens
     out = llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(temperature=0, max_tokens=MAX_NEW))[0]
     assert out.outputs[0].token_ids == references[3]

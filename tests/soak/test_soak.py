@@ -24,14 +24,14 @@ from tests.support.server import served
 pytestmark = pytest.mark.slow
 
 SEED = int(os.environ.get("KVBATON_SOAK_SEED", "7"))
-WARMUP_S = 15.0
-SOAK_S = 60.0
+WARMUP_S = 10.0
+SOAK_S = 40.0
 CONCURRENCY = 4
 # Growth allowed between the end of the warm-up and the end of the soak. NOTE: measured on this test's
 # load (2 cores, ~100 requests in 60 s) and on benchmarks/soak.py (180 s): the server grew 0.3-0.4 MiB
 # (of ~370) and the worker 0.4-4.8 MiB (of ~1900). The bounds are ~10x the largest growth seen, so
-# allocator noise never trips them, while a leak of ~0.3 MiB (server) or ~0.6 MiB (worker) per request
-# does within this soak's ~100 requests.
+# allocator noise never trips them, while a leak of ~0.5 MiB (server) or ~1 MiB (worker) per request
+# does within this soak's ~65 requests; benchmarks/soak.py runs longer for smaller leaks.
 RSS_BOUND_MIB = {"server": 32.0, "worker": 64.0}
 
 
@@ -63,7 +63,7 @@ def test_soak_mixed_load_leaves_the_server_as_it_was():
         errors = warmup.errors + result.errors
         assert not errors, f"{len(errors)} request(s) failed:\n" + "\n".join(errors[:30]) + f"\n{context}"
         # NOTE: floors, not targets: on 2 shared cores a 60 s soak served 18-100 requests, by the load around it.
-        assert result.total(Outcome.SERVED) >= 10 and result.total(Outcome.DISCONNECTED) >= 3, context
+        assert result.total(Outcome.SERVED) >= 6 and result.total(Outcome.DISCONNECTED) >= 3, context
         assert all(result.counts[kind, outcome] > 0 for kind, outcome in (
             (Kind.WHOLE, Outcome.SERVED), (Kind.STREAM, Outcome.SERVED), (Kind.STOP, Outcome.SERVED),
             (Kind.DISCONNECT, Outcome.DISCONNECTED), (Kind.EARLY_CLOSE, Outcome.DISCONNECTED))), context
