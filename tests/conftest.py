@@ -5,10 +5,15 @@ from pathlib import Path
 
 import pytest
 
+# NOTE: before anything loads OpenMP (torch, the C kernels), in this process and every one a test starts. Spinning
+# OpenMP threads waste what a 2-core host has when two processes compute at once (two xdist workers, a test and its
+# server, a server and a busy loop): a served 24-token request took 3-5x longer beside an in-process engine test,
+# and under 1.1x with passive waiting (tests/README.md, "Parallel").
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest.register_assert_rewrite("tests.support")  # before the first import of it, so its asserts explain themselves
 from tests.support.helpers import MOE_ARCHS, build_tiny_checkpoint, build_tiny_moe_checkpoint  # noqa: E402
 
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 pytest_plugins = ["tests.support.budget"]  # the suite's wall time and peak RSS, at the end of every run
 
 
@@ -43,8 +48,8 @@ def tiny_llama(tiny_models) -> Path:
 # once. (xdist's own `--dist loadgroup` cannot do this under pytest 9: it renames test ids, which pytest 9 no
 # longer lets a plugin do.)
 END_TO_END = ("tests/server/", "tests/disagg/", "tests/faults/", "tests/cluster/", "tests/soak/", "tests/fuzz/",
-              "tests/doctor/test_doctor_live.py", "tests/bench/test_bench_real_server.py", "tests/test_cli.py",
-              "tests/test_chat_client.py")
+              "tests/doctor/test_doctor_live.py", "tests/bench/test_bench_real_server.py", "tests/models/test_mla.py",
+              "tests/test_cli.py", "tests/test_chat_client.py")
 
 
 def work_unit(nodeid: str) -> str:

@@ -1,10 +1,9 @@
 """`kvbaton serve` as a real subprocess, for the tests that serve (server, doctor, faults, fuzz, soak, the clients).
 
-`kvbaton_server` starts it on a free loopback port, waits for /health and stops it by PID after (its
-engine core must go with it). `served` is the same server with its output drained on a thread: the
-harness gives the server a stdout pipe that nobody reads while it runs, and under fuzzing or a long soak
-the server and its workers may log enough to fill the pipe and block on a write; the drained lines
-are kept in a bounded buffer whose tail goes into failure messages.
+`served` starts it on a free loopback port, waits for /health and stops it by PID after (its engine core
+must go with it). Its output is drained on a thread into a bounded buffer whose tail goes into failure
+messages: a pipe nobody reads blocks the server once it fills. `kvbaton_server` is the same server as
+(base URL, process).
 """
 
 from __future__ import annotations
@@ -35,26 +34,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(proc: subprocess.Popen, base: str) -> bool:
-    if proc.poll() is not None:
-        raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+@dataclass(frozen=True)
+class Served:
+    base: str
+    proc: subprocess.Popen
+    lines: deque  # the server's output (stdout and stderr), its last 2,000 lines
+
+    def log_tail(self, n: int = 40) -> str:
+        return "".join(list(self.lines)[-n:])
+
+
+def _drain(proc: subprocess.Popen, lines: deque) -> None:
+    for line in proc.stdout:
+        lines.append(line)
+
+
+def _healthy(server: Served, drain: threading.Thread) -> bool:
+    if server.proc.poll() is not None:
+        drain.join(timeout=5)  # the pipe's last lines, written before it exited
+        raise RuntimeError(f"server exited early:\n{server.log_tail(200)}")
     try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        return httpx.get(f"{server.base}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
 
 @contextmanager
-def kvbaton_server(*args: str, env: dict | None = None, startup_s: float = 240.0):
-    """`kvbaton serve` as a real subprocess on a free loopback port; stopped by PID after."""
+def served(*args: str, env: dict | None = None, startup_s: float = 240.0) -> Iterator[Served]:
+    """`kvbaton serve` as a real subprocess on a free loopback port, its output drained into a bounded buffer
+    (`Served.log_tail`); stopped by PID after. Drained always: a server (or a worker writing to the same pipe)
+    that outlogs the 64 KiB pipe nobody reads blocks on its next write, and with it every request it serves."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvbaton.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
-    base = f"http://127.0.0.1:{port}"
+    server = Served(f"http://127.0.0.1:{port}", proc, deque(maxlen=2000))
+    drain = threading.Thread(target=_drain, args=(proc, server.lines), daemon=True)
+    drain.start()
     try:
-        wait_until(lambda: _healthy(proc, base), startup_s, interval_s=0.2, message="server did not become healthy")
-        yield base, proc
+        wait_until(lambda: _healthy(server, drain), startup_s, interval_s=0.2, message="server did not become healthy")
+        yield server
     finally:
         children = child_pids(proc.pid)
         proc.send_signal(signal.SIGTERM)
@@ -71,6 +90,13 @@ def kvbaton_server(*args: str, env: dict | None = None, startup_s: float = 240.0
                 raise AssertionError(f"engine core {pid} outlived its frontend") from None
 
 
+@contextmanager
+def kvbaton_server(*args: str, env: dict | None = None, startup_s: float = 240.0):
+    """`served`, as (base URL, process)."""
+    with served(*args, env=env, startup_s=startup_s) as server:
+        yield server.base, server.proc
+
+
 def wait_idle(base: str, timeout_s: float = 30.0) -> dict:
     """`/stats` once the server is idle again: nothing running, waiting, in flight or pending admission, no KV
     block held (AssertionError, with the last `/stats`, if not within `timeout_s`)."""
@@ -82,30 +108,6 @@ def wait_idle(base: str, timeout_s: float = 30.0) -> dict:
         return last if is_idle(last) else None
 
     return wait_until(idle, timeout_s, interval_s=0.2, message=lambda: f"server did not return to idle: {last}")
-
-
-@dataclass(frozen=True)
-class Served:
-    base: str
-    proc: subprocess.Popen
-    lines: deque
-
-    def log_tail(self, n: int = 40) -> str:
-        return "".join(list(self.lines)[-n:])
-
-
-def _drain(proc: subprocess.Popen, lines: deque) -> None:
-    for line in proc.stdout:
-        lines.append(line)
-
-
-@contextmanager
-def served(*args: str) -> Iterator[Served]:
-    """`kvbaton_server` with its output drained into a bounded buffer (`Served.log_tail`)."""
-    with kvbaton_server(*args) as (base, proc):
-        lines: deque = deque(maxlen=2000)
-        threading.Thread(target=_drain, args=(proc, lines), daemon=True).start()
-        yield Served(base, proc, lines)
 
 
 async def stream_completion(client: httpx.AsyncClient, body: dict) -> dict:
