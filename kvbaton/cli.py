@@ -121,7 +121,27 @@ def _add_generation_config_arg(p: argparse.ArgumentParser) -> None:
                         "generation_config.json; vllm: ignore it; PATH: a dir holding one, or the file")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Subcommands whose parsers live here. `kvbaton serve` is on every worker replacement's and every test server's
+# start path: building only what its own command needs keeps the other packages' imports off it.
+OWN_COMMANDS = ("generate", "serve", "workers", "model")
+
+
+def _add_package_parsers(sub: argparse._SubParsersAction) -> None:
+    from kvbaton.bench.cli import add_bench_parser
+    from kvbaton.client.cli import add_client_parsers
+    from kvbaton.client.kv_sessions import add_kv_parser
+    from kvbaton.doctor.cli import add_doctor_parser
+    from kvbaton.plan.cli import add_plan_parser
+    from kvbaton.sim.cli import add_sim_parser
+
+    for add in (add_bench_parser, add_client_parsers, add_kv_parser, add_sim_parser, add_plan_parser,
+                add_doctor_parser):
+        add(sub)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; given the subcommand about to run, and it is one of OWN_COMMANDS, only the parsers defined in
+    this module (the usage and errors of that command are the same either way)."""
     parser = argparse.ArgumentParser(prog="kvbaton", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -207,24 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--worker-dead-after", type=float, default=5.0,
                     help="seconds without a heartbeat before a worker is declared dead, fenced and replaced")
     _add_autoscale_args(serve)
-    from kvbaton.bench.cli import add_bench_parser
-
-    add_bench_parser(sub)
-    from kvbaton.client.cli import add_client_parsers
-
-    add_client_parsers(sub)
-    from kvbaton.client.kv_sessions import add_kv_parser
-
-    add_kv_parser(sub)
-    from kvbaton.sim.cli import add_sim_parser
-
-    add_sim_parser(sub)
-    from kvbaton.plan.cli import add_plan_parser
-
-    add_plan_parser(sub)
-    from kvbaton.doctor.cli import add_doctor_parser
-
-    add_doctor_parser(sub)
+    if command not in OWN_COMMANDS:  # the others' parsers import their packages (~0.3 s: numpy, the planner)
+        _add_package_parsers(sub)
     workers = sub.add_parser("workers", help="list, add or drain the workers of a running `kvbaton serve`")
     workers.add_argument("action", choices=["list", "add", "drain"])
     workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
@@ -442,7 +446,8 @@ def cmd_model_pull(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"generate": cmd_generate, "serve": cmd_serve, "model": cmd_model_pull, "bench": cmd_bench,
                 "workers": cmd_workers, "chat": cmd_client, "complete": cmd_client, "kv": cmd_kv,

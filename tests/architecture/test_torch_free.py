@@ -59,3 +59,14 @@ def test_the_frontends_tokenizer_loads_without_torch(default_model_dir) -> None:
             "assert 'torch' not in loaded, sorted(loaded)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_serves_parser_imports_no_other_commands_package() -> None:
+    """`kvbaton serve` (on every worker replacement's start path) builds only its own parser: the planner's,
+    simulator's, doctor's and bench client's packages (numpy among them, ~0.3 s) stay unimported."""
+    code = ("import sys\nfrom kvbaton.cli import build_parser\n"
+            "build_parser('serve').parse_args(['serve', '--prefill', '1', '--decode', '1'])\n"
+            "loaded = sorted(n for n in sys.modules if n.startswith(('kvbaton.plan', 'kvbaton.sim', 'kvbaton.doctor',"
+            " 'kvbaton.bench', 'numpy')))\nassert not loaded, loaded\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
