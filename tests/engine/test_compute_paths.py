@@ -17,16 +17,7 @@ from kvbaton.kernels.linear import ISA_AVX512_BF16, AMXLinear, DotLinear, SmallB
 from kvbaton.layers.linear import Linear
 from kvbaton.platform.compute import COMPUTE_PATHS, ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
-from tests.support.budget import release_memory
 from tests.support.helpers import TINY_VOCAB, hf_greedy
-
-
-@pytest.fixture(autouse=True)
-def _memory_back_to_the_os():
-    """Each test here builds engines on the default model: what it freed goes back to the OS before the
-    next (the suite's RSS budget)."""
-    yield
-    release_memory()
 
 # (path, deterministic): every row of the table, and the deterministic variant of this CPU's own row
 VARIANTS = [pytest.param(p, False, id=p) for p in COMPUTE_PATHS if p != "auto"] + [

@@ -12,17 +12,7 @@ from kvbaton import LLM
 from kvbaton.kernels.linear import amx_enabled
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
-from tests.support.budget import release_memory
 from tests.support.helpers import deterministic_prompts, greedy
-
-
-@pytest.fixture(autouse=True)
-def _memory_back_to_the_os():
-    """Each test here builds two engines on the default model: what it freed goes back to the OS before the
-    next (the suite's RSS budget)."""
-    yield
-    release_memory()
-
 
 pytestmark = pytest.mark.slow
 
