@@ -139,9 +139,10 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     reports = {"main": _report(), **_workers}
     raised: dict[str, float] = {}
     kept: dict[str, float] = {}
-    for report in reports.values():
-        raised.update(report["raised"])
-        kept.update(report["kept"])
+    for name, report in reports.items():  # under xdist each module named with its worker: a peak is per process
+        suffix = f" ({name})" if len(reports) > 1 else ""
+        raised.update({module + suffix: mib for module, mib in report["raised"].items()})
+        kept.update({module + suffix: mib for module, mib in report["kept"].items()})
     wall = time.monotonic() - _started
     # Each pytest process is held to the budget (the controller of an xdist run holds no test).
     rss = max(report["peak_mib"] for report in reports.values())
