@@ -57,9 +57,14 @@ def _fixed_mmap_threshold() -> None:
     which freed tensors stay in its heap: after an engine on the default model was freed, this process kept
     ~0.3 GiB more resident (0.8 GiB in the KV-quality test), the next engine came on top of it, and a test with two
     engines peaked over 2 GiB. A fixed threshold keeps that from happening; `release_memory` trims the rest."""
+    _glibc("mallopt", M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+
+
+def _glibc(function: str, *args: int) -> None:
+    """Call one of glibc's malloc tunables; elsewhere (macOS, musl) there is nothing to tune."""
     if sys.platform == "linux":
         try:
-            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+            getattr(ctypes.CDLL("libc.so.6"), function)(*args)
         except (OSError, AttributeError):
             pass  # not glibc (musl)
 
@@ -71,11 +76,7 @@ def release_memory() -> None:
     resident with no engine left alive; glibc keeps freed tensors' memory in its heaps (its mmap threshold rises
     after the first large free). The suite's peak RSS grew module by module to ~5 GiB. `malloc_trim` returns it."""
     gc.collect()
-    if sys.platform == "linux":
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass  # not glibc (musl): nothing to trim
+    _glibc("malloc_trim", 0)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
