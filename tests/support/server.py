@@ -74,6 +74,10 @@ def served(*args: str, env: dict | None = None, startup_s: float = 240.0) -> Ite
     try:
         wait_until(lambda: _healthy(server, drain), startup_s, interval_s=0.2, message="server did not become healthy")
         yield server
+    except BaseException:
+        # pytest shows a failing test's captured stderr: the server's side of the story goes with it
+        print(f"---- the server's last lines ----\n{server.log_tail(120)}", file=sys.stderr)
+        raise
     finally:
         children = child_pids(proc.pid)
         proc.send_signal(signal.SIGTERM)

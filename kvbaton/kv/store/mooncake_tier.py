@@ -6,11 +6,16 @@ the segments its clients mount; `mooncake_store.py` runs a private one whose own
 - Capacity and eviction are the store's: its master evicts (approximately LRU) past its high watermark.
 - TTL: Mooncake leases protect an object from eviction rather than expire it, so the expiry travels in the
   object; an expired block reads as a miss and is removed.
-- A failing store (master gone, client error) costs a miss and opens a RETRY_AFTER_S circuit breaker, like
-  the redis tier: no exception leaves the tier. Puts are synchronous (~0.4 ms for a 360 KiB block here).
+- A failing store (master gone, client error) costs a miss and opens a circuit breaker, like the redis tier:
+  no exception leaves the tier. The breaker stays open RETRY_AFTER_S after a first failure and twice as long
+  after each failure in a row (up to MAX_RETRY_AFTER_S), so a store that stays dead costs the engine rarer and
+  rarer waits. Puts are synchronous (~0.4 ms for a 360 KiB block here).
 - NOTE: the client's calls to a dead master block ~4 s each (its RPC timeout, not settable from Python), so
   every call runs on the tier's own thread and is given up after CALL_TIMEOUT_S: the engine waits that long
   once, then the breaker skips the tier; a call still stuck makes the next ones fail at once.
+- NOTE: CALL_TIMEOUT_S tells a dead store from a slow host, not from a slow call: a client's first put or get
+  opens its connection to the segment holding the block, and beside two busy cores that took 0.4-0.6 s here
+  (a 0.5 s timeout opened the breaker on a healthy store and lost the prefix).
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "kvb:"
 RETRY_AFTER_S = 2.0
-CALL_TIMEOUT_S = 0.5  # a normal call takes well under 1 ms
+MAX_RETRY_AFTER_S = 32.0
+CALL_TIMEOUT_S = 2.0  # a normal call takes ~1 ms, a first contact under load up to ~0.6 s; a dead master 4 s
 T = TypeVar("T")
 _EXPIRY = struct.Struct("<d")
 TRANSFER_BUFFER_BYTES = 64 * 2**20  # the client's local buffer, staging a get or put (a few blocks at once)
@@ -51,6 +57,7 @@ class MooncakeTier(KVTier):
         self._lock = threading.Lock()  # _stats and the breaker
         self._stats = TierStats(self.name, capacity_bytes, shared=True)
         self._down_until = 0.0
+        self._failures_in_a_row = 0
         self._caller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvb-mooncake-tier")
         self._pending: Any = None  # the last call's future: one still running means the store is stuck
         self._call_lock = threading.Lock()
@@ -139,11 +146,14 @@ class MooncakeTier(KVTier):
                 raise TimeoutError("an earlier call to the store has not returned")
             self._pending = self._caller.submit(fn, *args)
             try:
-                return self._pending.result(timeout=CALL_TIMEOUT_S)
+                result = self._pending.result(timeout=CALL_TIMEOUT_S)
             except CallTimeout:
                 raise TimeoutError(f"no answer within {CALL_TIMEOUT_S} s") from None
         finally:
             self._call_lock.release()
+        with self._lock:
+            self._failures_in_a_row = 0  # the store answered: the next failure starts the backoff again
+        return result
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -164,8 +174,10 @@ class MooncakeTier(KVTier):
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:
             self._stats.errors += 1
-            self._down_until = time.monotonic() + RETRY_AFTER_S
-        logger.warning("mooncake KV tier: %s failed (%s); skipping the tier for %.0f s", what, exc, RETRY_AFTER_S)
+            pause = min(RETRY_AFTER_S * 2**self._failures_in_a_row, MAX_RETRY_AFTER_S)
+            self._failures_in_a_row += 1
+            self._down_until = time.monotonic() + pause
+        logger.warning("mooncake KV tier: %s failed (%s); skipping the tier for %.0f s", what, exc, pause)
 
     def _remove(self, name: str) -> None:
         try:

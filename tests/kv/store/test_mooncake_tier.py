@@ -14,7 +14,8 @@ import pytest
 
 from kvbaton.kv.store.keys import KEY_BYTES
 from kvbaton.kv.store.mooncake_store import start_mooncake_store
-from kvbaton.kv.store.mooncake_tier import MooncakeTier
+from kvbaton.kv.store.mooncake_tier import RETRY_AFTER_S, MooncakeTier
+from tests.support.wait import wait_until
 
 PAYLOAD = 64 * 1024
 
@@ -48,7 +49,7 @@ def tier_of(store, ttl_s: float = 60.0) -> MooncakeTier:
     return MooncakeTier(store.master, store.metadata_url, PAYLOAD, ttl_s)
 
 
-def test_a_killed_store_costs_misses_and_opens_the_breaker(store):
+def test_a_killed_store_costs_misses_and_opens_the_breaker(store, caplog):
     tier = tier_of(store)
     assert put(tier, 1)
     for pid in store.pids:
@@ -56,8 +57,12 @@ def test_a_killed_store_costs_misses_and_opens_the_breaker(store):
     start = time.monotonic()
     results = [get(tier, 1), tier.contains([key(1)]), put(tier, 2), get(tier, 2)]
     assert results == [None, 0, False, None]
-    # bounded: a call given up after CALL_TIMEOUT_S (0.5 s), then the breaker skips the tier. 3 s is 6x that and
-    # still under the ~4 s of the client's own RPC timeout, so it tells a given-up call from a stuck one.
-    assert time.monotonic() - start < 3.0
+    # bounded: a call given up after CALL_TIMEOUT_S (2 s), then the breaker skips the tier. 3.5 s is under the ~4 s
+    # of the client's own RPC timeout, so it tells a given-up call from a stuck one.
+    assert time.monotonic() - start < 3.5
     assert tier.stats().errors == 1  # one failure opened the breaker: no call after it reached the store
+    # once it closes, the next failure keeps it open twice as long: a store that stays dead costs rarer waits
+    wait_until(lambda: get(tier, 1) is None and tier.stats().errors == 2, 20.0, interval_s=0.2)
+    pauses = [r.getMessage().rsplit("for ", 1)[1] for r in caplog.records if "skipping the tier" in r.getMessage()]
+    assert pauses == [f"{RETRY_AFTER_S:.0f} s", f"{2 * RETRY_AFTER_S:.0f} s"]
     tier.close()
