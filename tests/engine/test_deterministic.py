@@ -12,6 +12,7 @@ from kvbaton import LLM
 from kvbaton.kernels.linear import amx_enabled
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
+from tests.support.budget import release_memory
 from tests.support.helpers import deterministic_prompts, greedy
 
 pytestmark = pytest.mark.slow
@@ -38,6 +39,8 @@ def test_deterministic_output_is_independent_of_batching_chunking_and_threads(de
     alone = [greedy(llm, MAX_NEW, [p])[0] for p in prompts[:8]]
     assert greedy(llm, MAX_NEW, prompts[:8]) == alone
     assert greedy(llm, MAX_NEW, prompts)[:8] == alone  # 32 at once: decodes batched with other prompts' prefill chunks
+    del llm  # one default-model engine at a time (the suite's 2 GiB budget)
+    release_memory()
     # a 16-token budget: every prompt over 16 tokens is prefilled in chunks, beside other requests' decodes
     chunked = LLM(str(default_model_dir), dtype="bfloat16", deterministic=True, num_threads=1,
                   max_num_batched_tokens=16, enable_prefix_caching=False, compute_path=path)

@@ -15,6 +15,7 @@ from kvbaton import LLM, SamplingParams
 from kvbaton.config import KVStoreConfig
 from kvbaton.kv.redis_server import start_redis_server
 from kvbaton.kv.store.shm_tier import ShmTier
+from tests.support.budget import release_memory
 from tests.support.helpers import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -51,10 +52,20 @@ def full_blocks(prompt: list[int]) -> int:
     return (len(prompt) - 1) // BLOCK * BLOCK
 
 
-def check_and_close(*llms: LLM) -> None:
-    for llm in llms:
-        llm.engine.core.check_integrity()
-        llm.engine.core.close()
+def check_and_close(llm: LLM) -> None:
+    llm.engine.core.check_integrity()
+    llm.engine.core.close()  # a tier's queued writes land first
+
+
+def run_first_engine(store: KVStoreConfig, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """Engine A's whole life: it runs `prompts`, is checked and closed, and is gone (its memory given back) before
+    the caller starts B. Its blocks outlive it in every tier; one default-model engine at a time (RSS budget)."""
+    a = engine(store)
+    out = run(a, prompts)
+    check_and_close(a)
+    del a
+    release_memory()
+    return out
 
 
 @pytest.fixture
@@ -76,11 +87,7 @@ def store_for(kind: str, tmp_path: Path, redis_server) -> KVStoreConfig:
 @pytest.mark.parametrize("kind", ["shm", "disk", "redis"])
 def test_a_prefix_computed_by_one_engine_is_loaded_by_another(kind, tmp_path, redis_url, prompts, references):
     store = store_for(kind, tmp_path, redis_url)
-    a = engine(store)
-    outs_a, cached_a = run(a, prompts[:1])
-    a.engine.core.store.flush()
-    if kind == "disk":  # one engine per directory: B is A restarted
-        check_and_close(a)
+    outs_a, cached_a = run_first_engine(store, prompts[:1])
     b = engine(store)
     outs_b, cached_b = run(b, prompts)
     assert outs_a == references[:1] and outs_b == references
@@ -89,21 +96,18 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_another(kind, tmp_path, re
     assert all(c >= SYSTEM // BLOCK * BLOCK for c in cached_b[1:])  # the system prompt, from A or B itself
     [tier] = b.engine.core.store.stats()
     assert tier.hits >= full_blocks(prompts[0]) // BLOCK and tier.corrupt == tier.errors == 0
-    check_and_close(b) if kind == "disk" else check_and_close(a, b)
+    check_and_close(b)
     if kind == "shm":
-        ShmTier.destroy(store.shm_name, a.engine.core.kv_layout.bytes_per_block)
+        ShmTier.destroy(store.shm_name, b.engine.core.kv_layout.bytes_per_block)
 
 
 def test_a_corrupt_block_on_disk_is_recomputed(tmp_path, prompts, references):
     store = KVStoreConfig(tiers=("disk",), disk_dir=str(tmp_path / "kv"), disk_gb=0.25)
-    a = engine(store)
-    run(a, prompts[:1])
-    a.engine.core.store.flush()
+    run_first_engine(store, prompts[:1])
     files = sorted((tmp_path / "kv").rglob("*.kvb"), key=lambda p: p.stat().st_mtime_ns)
     victim = files[3]  # the 4th block of the prompt: blocks 0-2 load, the rest is recomputed
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
-    check_and_close(a)
     victim.write_bytes(bytes(data))
     b = engine(store)
     outs, cached = run(b, prompts[:1])
@@ -120,16 +124,14 @@ def test_a_dead_or_stalled_redis_costs_recomputation_only(fault, prompts, refere
     server = start_redis_server()
     try:
         store = KVStoreConfig(tiers=("redis",), redis_url=server.url)
-        a = engine(store)
-        run(a, prompts[:1])
-        a.engine.core.store.flush()
+        run_first_engine(store, prompts[:1])
         b = engine(store)
         os.kill(server.pid, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         outs, cached = run(b, prompts)
         assert outs == references and cached[0] == 0  # nothing loaded: the tier failed before B asked
         [tier] = b.engine.core.store.stats()
         assert tier.errors >= 1
-        check_and_close(a, b)
+        check_and_close(b)
     finally:
         if fault == "stalled":
             os.kill(server.pid, signal.SIGCONT)
@@ -143,9 +145,7 @@ def test_a_prefix_reaches_another_engine_through_a_mooncake_store(prompts, refer
     with start_mooncake_store(256 * 2**20) as mooncake:
         store = KVStoreConfig(tiers=("mooncake",), mooncake_master=mooncake.master,
                               mooncake_metadata_url=mooncake.metadata_url, mooncake_gb=0.25)
-        a = engine(store)
-        outs_a, _ = run(a, prompts[:1])
-        check_and_close(a)  # A has gone: its blocks stay, in the store's own process
+        outs_a, _ = run_first_engine(store, prompts[:1])  # its blocks stay, in the store's own process
         b = engine(store)
         outs_b, cached_b = run(b, prompts)
         assert outs_a == references[:1] and outs_b == references

@@ -1,0 +1,20 @@
+"""The xdist schedule in tests/conftest.py names modules by path: a renamed or new module must not slip out of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.conftest import END_TO_END, MEMORY_HEAVY, work_unit
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_scheduled_path_exists():
+    assert [p for p in END_TO_END + MEMORY_HEAVY if not (ROOT / p).exists()] == []
+
+
+def test_every_module_that_starts_a_server_runs_with_the_end_to_end_set():
+    """Two servers side by side on 2 cores starve each other's deadlines: they run one after another."""
+    serving = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "tests").rglob("test_*.py"))
+               if p.name != Path(__file__).name and "from tests.support.server import" in p.read_text()]
+    assert serving and [m for m in serving if work_unit(m) != "end-to-end"] == []
