@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from kvbaton.kv.hashing import chained_block_hashes
+from kvbaton.kv.hashing import chained_block_hashes, salted_root
 
 
 class Candidate(Protocol):
@@ -31,13 +31,15 @@ C = TypeVar("C", bound=Candidate)
 
 
 class Policy(ABC):
-    """Pick one of `candidates` (never empty) for a prompt; `note_routed` learns from the choice."""
+    """Pick one of `candidates` (never empty) for a prompt; `note_routed` learns from the choice. `cache_salt`
+    is the request's: its blocks are cached under hashes of their own, shared with no other salt."""
 
     @abstractmethod
-    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
         ...
 
-    def note_routed(self, worker_name: str, prompt_token_ids: list[int]) -> None:  # noqa: B027
+    def note_routed(self, worker_name: str, prompt_token_ids: list[int],  # noqa: B027
+                    cache_salt: str | None = None) -> None:
         """Optional: policies that learn from routing decisions override this."""
 
     def forget_worker(self, worker_name: str) -> None:  # noqa: B027
@@ -48,7 +50,7 @@ class RoundRobin(Policy):
     def __init__(self, block_size: int = 16) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
         return candidates[next(self._counter) % len(candidates)]
 
 
@@ -58,7 +60,7 @@ class LeastLoaded(Policy):
     def __init__(self, block_size: int = 16) -> None:
         pass
 
-    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
         return min(candidates, key=lambda w: w.load_score)
 
 
@@ -71,8 +73,8 @@ class PrefixIndex:
         self.max_blocks = max_blocks_per_worker
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
 
-    def hashes(self, token_ids: list[int]) -> list[bytes]:
-        return chained_block_hashes(token_ids, self.block_size)
+    def hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        return chained_block_hashes(token_ids, self.block_size, parent=salted_root(cache_salt))
 
     def matched_blocks(self, worker: str, hashes: list[bytes]) -> int:
         known = self._blocks.get(worker)
@@ -104,12 +106,12 @@ class PrefixAware(Policy):
     def __init__(self, block_size: int = 16) -> None:
         self.index = PrefixIndex(block_size)
 
-    def pick(self, candidates: list[C], prompt_token_ids: list[int]) -> C:
-        hashes = self.index.hashes(prompt_token_ids)
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
+        hashes = self.index.hashes(prompt_token_ids, cache_salt)
         return max(candidates, key=lambda w: (self.index.matched_blocks(w.name, hashes), -w.load_score))
 
-    def note_routed(self, worker_name: str, prompt_token_ids: list[int]) -> None:
-        self.index.add(worker_name, self.index.hashes(prompt_token_ids))
+    def note_routed(self, worker_name: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
+        self.index.add(worker_name, self.index.hashes(prompt_token_ids, cache_salt))
 
     def forget_worker(self, worker_name: str) -> None:
         self.index.forget(worker_name)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvbaton.disagg.policies import POLICIES, LeastLoaded, PrefixAware, PrefixIndex, RoundRobin, make_policy
-from kvbaton.kv.hashing import chained_block_hashes
+from kvbaton.kv.hashing import chained_block_hashes, salted_root
 
 BS = 4
 
@@ -65,6 +65,18 @@ def test_prefix_aware_follows_the_cached_prefix_over_load():
     assert policy.pick(workers, system + [50, 51, 52]).name == "w1"
     # a prompt nobody has seen goes to the least loaded
     assert policy.pick(workers, list(range(300, 340))).name == "w0"
+
+
+def test_prefix_aware_keeps_each_cache_salt_apart():
+    """A salted request's blocks are cached under hashes of their own: it follows its own salt's earlier
+    requests, never another tenant's (whose cache it could not use, and whose placement it would reveal)."""
+    policy, workers = PrefixAware(BS), pool(0, 5)
+    system = list(range(1, 33))
+    policy.note_routed("w1", system, cache_salt="tenant-a")
+    assert policy.pick(workers, system).name == "w0"  # unsalted: no match, the least loaded
+    assert policy.pick(workers, system, cache_salt="tenant-b").name == "w0"
+    assert policy.pick(workers, system, cache_salt="tenant-a").name == "w1"
+    assert policy.index.hashes(system, "tenant-a") == chained_block_hashes(system, BS, parent=salted_root("tenant-a"))
 
 
 def test_prefix_aware_breaks_ties_by_load_and_forgets_workers_that_left():
