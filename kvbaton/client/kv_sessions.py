@@ -64,11 +64,19 @@ def save(args: argparse.Namespace) -> str:
         body["prompt"] = args.prompt
     resp = _post(args, "/admin/kv/save", json=body)
     try:
-        args.output.write_bytes(resp.content)
+        _write_private(args.output, resp.content)
     except OSError as exc:
         raise KVSessionError(f"cannot write {args.output}: {exc}") from None
     return f"saved {resp.headers.get('x-kv-session-tokens', '?')} tokens of KV to {args.output} " \
            f"({len(resp.content)} bytes)"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Readable by its owner only: the KV of a prompt gives the prompt away (and a restore trusts it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+        f.write(data)
 
 
 def restore(args: argparse.Namespace) -> str:

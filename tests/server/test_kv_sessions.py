@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -49,6 +50,7 @@ def test_a_saved_session_is_restored_into_a_fresh_server(default_model_dir, tmp_
         saved = kv_cli("save", "--url", base, "--messages", str(messages), "-o", str(session), env=env)
         assert saved.returncode == 0, saved.stderr
         assert f"saved {saved_tokens} tokens of KV" in saved.stdout
+        assert stat.S_IMODE(session.stat().st_mode) == 0o600  # a prompt's KV gives the prompt away
 
     # a fresh server: its pool and its arena are empty
     with kvbaton_server(*SERVER, "--max-kv-session-bytes", str(8 * 2**20), env=env) as (base, _):
