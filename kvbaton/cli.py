@@ -170,14 +170,18 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                             "$KVBATON_ADMIN_API_KEY); without one they are open on loopback, disabled elsewhere")
     serve.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
                        help="refuse request bodies larger than this with 413 (default: 4 MiB)")
-    serve.add_argument("--max-priority-range", type=int, default=10**6,
-                       help="clients may set a priority in [-N, N] (default 1000000; 0: no client priorities)")
+    serve.add_argument("--max-priority-range", type=int, default=None,
+                       help="clients may set a priority in [-N, N] (0: no client priorities; default: 0, or "
+                            "1000000 with --api-key, where the clients are known)")
     serve.add_argument("--max-workers", type=int, default=16,
                        help="the most workers the pool may have; POST /admin/workers refuses beyond it")
     serve.add_argument("--max-kv-session-bytes", type=int, default=2**30,
                        help="the largest KV session file POST /admin/kv/restore accepts (default: 1 GiB)")
     serve.add_argument("--max-n", type=int, default=16,
                        help="the most choices (n) a request may ask for; more is a 400 (default 16, at most 128)")
+    serve.add_argument("--max-request-output-tokens", type=int, default=None,
+                       help="the most output one request may ask for, as choices x max_tokens x (1 + top logprobs); "
+                            "more is a 400 (default: max(--max-n, 21) x the context length)")
     _add_generation_config_arg(serve)
     pd = serve.add_argument_group("disaggregation (prefill/decode worker pools behind a router)")
     pd.add_argument("--prefill", type=int, default=0, help="prefill workers (0: decode workers prefill themselves)")
@@ -361,6 +365,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_waiting_requests=args.max_waiting_requests, max_request_bytes=args.max_request_bytes,
                            max_priority_range=args.max_priority_range, max_workers=args.max_workers,
                            max_n=args.max_n, max_kv_session_bytes=args.max_kv_session_bytes,
+                           max_request_output_tokens=args.max_request_output_tokens,
                            generation_config=args.generation_config,
                            deployment=deployment, autoscale=autoscale)
     return serve(engine_config_from_args(args), options)

@@ -85,9 +85,10 @@ class Router:
         self._prefill_policy = make_policy(config.prefill_policy, block_size)
         self._decode_policy = make_policy(config.decode_policy, block_size)
         # How requests went: through a prefill worker, prefilled on the decode worker, or
-        # re-dispatched after a failure (a transfer, or a worker, that did not make it).
+        # re-dispatched after a failure (a transfer, or a worker, that did not make it); and how many were
+        # aborted before their end (their consumer gone: a client that left, a request cancelled).
         self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0,
-                         "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0}
+                         "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0, "aborted": 0}
         self._deadlines: asyncio.Task | None = None
         # the probes behind /admin/diagnostics/* (`kvbaton doctor`)
         self.diagnostics = PoolDiagnostics(pool, self._routing_settings, self.counters)
@@ -198,6 +199,7 @@ class Router:
         self.outputs.abort(request_id)
         flight = self.flights.pop(request_id, None)
         if flight is not None:
+            self.counters["aborted"] += 1
             await self._stop_attempt(flight, FinishReason.ABORT)
 
     def set_local_prefill_threshold(self, tokens: int) -> None:
@@ -222,8 +224,9 @@ class Router:
             self._fail(flight, EngineDeadError(self.dead_reason or "no decode worker is running"))
             return
         prompt, _ = flight.continuation()
-        decode = self._decode_policy.pick(decoders, prompt)
-        self._decode_policy.note_routed(decode.name, prompt)
+        salt = flight.params.cache_salt
+        decode = self._decode_policy.pick(decoders, prompt, salt)
+        self._decode_policy.note_routed(decode.name, prompt, salt)
         flight.decode = decode.name
         decode.attempts.add(flight.attempt_id)
         if (self.pool.routable(WorkerRole.PREFILL) and len(prompt) >= self.config.local_prefill_threshold
@@ -254,8 +257,9 @@ class Router:
             await self._run_locally(flight, decode)
             return
         self.counters["disaggregated"] += 1
-        prefill = self._prefill_policy.pick(prefillers, flight.prompt_token_ids)
-        self._prefill_policy.note_routed(prefill.name, flight.prompt_token_ids)
+        salt = flight.params.cache_salt
+        prefill = self._prefill_policy.pick(prefillers, flight.prompt_token_ids, salt)
+        self._prefill_policy.note_routed(prefill.name, flight.prompt_token_ids, salt)
         flight.prefill, flight.phase = prefill.name, Phase.PREFILLING
         prefill.attempts.add(flight.attempt_id)
         assert decode.receiver is not None, "a decode worker always has a KV receiver"

@@ -12,13 +12,13 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -29,19 +29,22 @@ from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
 from kvbaton.server.admission import AdmissionController
 from kvbaton.server.choices import merged, request_choices, tool_chunks
+from kvbaton.server.closing_stream import ClosingStreamingResponse
 from kvbaton.server.diagnostics import add_diagnostic_routes
 from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.errors import ApiError, HttpError, http_error
 from kvbaton.server.grammars import GrammarCheck
-from kvbaton.server.guards import ADMIN_PATHS, AdminAccess, BodyLimit, bearer_matches
+from kvbaton.server.guards import AccessCheck, AdminAccess, BodyLimit
 from kvbaton.server.kv_sessions import KVSessions, add_kv_session_routes
 from kvbaton.server.metrics import ServerMetrics
+from kvbaton.server.output_budget import OutputBudget, default_max_output_units
 from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvbaton.server.responses import ResponseBuilder, sse
 from kvbaton.server.settings import ServerSettings
 from kvbaton.server.tokenize_routes import add_tokenize_routes
 from kvbaton.server.tool_calling import ToolCalling, plan_tool_calling
+from kvbaton.server.tool_schemas import ToolSchemaCheck
 from kvbaton.server.tools import inspect_chat_template
 
 DISCONNECT_POLL_S = 0.5
@@ -57,7 +60,11 @@ class OpenAIServer:
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
         self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
         self.kv_sessions = KVSessions(client, self.prompts, settings.kv_session_secret)
+        self.tool_schemas = ToolSchemaCheck()
         self.grammars = GrammarCheck(client.tokenizer, client.info.vocab_size, client.info.eos_token_ids)
+        self.output_budget = OutputBudget(
+            settings.max_request_output_tokens or default_max_output_units(settings.max_n, client.info.max_model_len),
+            client.info.max_model_len)
         self.generation_defaults = settings.generation_defaults.overrides()
         # NOTE: a --generation-config PATH may name EOS ids the workers (which read the model's own files) do
         # not know: they stop a request as stop tokens, unless it asks to ignore EOS.
@@ -72,7 +79,11 @@ class OpenAIServer:
                                 f"`{self.settings.served_model_name}`", "NotFoundError", "model")
 
     def check_priority(self, priority: int) -> None:
-        limit = self.settings.max_priority_range
+        limit = self.settings.priority_range
+        if limit == 0 and priority != 0:
+            raise ApiError(400, f"this server takes no client priorities (got {priority}): without an API key any "
+                                f"client could jump the queue; its operator may allow them with "
+                                f"--max-priority-range N (or set --api-key)", "BadRequestError", "priority")
         if abs(priority) > limit:
             raise ApiError(400, f"priority must be in [-{limit}, {limit}] on this server (--max-priority-range), "
                                 f"got {priority}", "BadRequestError", "priority")
@@ -101,6 +112,8 @@ class OpenAIServer:
             prompts = [await self.prompts.completion(p) for p in req.prompt]
         else:
             kind, top_n = "chat", req.top_logprobs
+            if req.tools:
+                await self.tool_schemas.check(req.tools)
             try:
                 tool_calling, rendered = plan_tool_calling(req.plain_messages(), req.tools,
                                                            req.resolved_tool_choice(), req.parallel_tool_calls,
@@ -123,6 +136,8 @@ class OpenAIServer:
             except InvalidRequestError as exc:
                 param = "messages" if kind == "chat" and exc.param == "prompt" else exc.param
                 raise ApiError(400, str(exc), "BadRequestError", param) from exc
+        self.output_budget.check([len(ids) for _, ids in prompts], params,
+                                 "logprobs" if kind == "completion" else "top_logprobs")
         if isinstance(req, CompletionRequest) and req.echo:  # after the check: the token ids are in the vocabulary
             echo = [text if text is not None else await self.prompts.decode(ids) for text, ids in prompts]
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:20]}"
@@ -135,15 +150,27 @@ class OpenAIServer:
                 self.metrics.rejected.labels(self.settings.served_model_name).inc()
                 return HttpError(503, refusal, "ServiceUnavailableError").response(
                     headers={"Retry-After": str(self.settings.retry_after_s)})
-        builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n,
-                                  echo=None if echo is None else [echo[c.index // params.n] for c in choices],
-                                  n=params.n)
-        streams = {c.index: self._outputs(c.request_id, c.prompt, c.token_ids, c.params, req.priority)
-                   for c in choices}
-        if req.stream:
-            return StreamingResponse(self._stream(streams, builder, kind, req.include_usage, tool_calling),
-                                     media_type="text/event-stream")
-        return await self._whole(streams, builder, raw, tool_calling)
+
+        def release() -> None:  # every choice's entry, on every path: a choice that never started included
+            for c in choices:
+                self.admission.started(c.request_id)
+
+        try:
+            builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n,
+                                      echo=None if echo is None else [echo[c.index // params.n] for c in choices],
+                                      n=params.n)
+            streams = {c.index: self._outputs(c.request_id, c.prompt, c.token_ids, c.params, req.priority)
+                       for c in choices}
+            if req.stream:
+                return ClosingStreamingResponse(self._stream(streams, builder, kind, req.include_usage, tool_calling),
+                                                on_close=release, media_type="text/event-stream")
+        except BaseException:
+            release()
+            raise
+        try:
+            return await self._whole(streams, builder, raw, tool_calling)
+        finally:
+            release()
 
     async def _outputs(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                        priority: int) -> AsyncGenerator[RequestOutput, None]:
@@ -163,7 +190,8 @@ class OpenAIServer:
             self.admission.started(request_id)
 
     async def _stream(self, streams: dict[int, AsyncGenerator[RequestOutput, None]], builder: ResponseBuilder,
-                      kind: str, include_usage: bool, tool_calling: ToolCalling | None = None) -> AsyncIterator[str]:
+                      kind: str, include_usage: bool, tool_calling: ToolCalling | None = None,
+                      ) -> AsyncGenerator[str, None]:
         last: dict[int, RequestOutput] = {}
         parsers = {index: tool_calling.stream() for index in streams} if tool_calling is not None else {}
         try:
@@ -228,12 +256,14 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         await server.kv_sessions.close()
         server.prompts.close()
         server.grammars.close()
+        server.tool_schemas.close()
 
     app = FastAPI(title="kvbaton", docs_url=None, redoc_url=None, lifespan=lifespan)
+    admin = AdminAccess(bind_host=settings.bind_host, admin_api_key=settings.admin_api_key, api_key=settings.api_key)
     app.state.server = server
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
                        path_limits={"/admin/kv/restore": (settings.max_kv_session_bytes, "--max-kv-session-bytes")})
-    add_access_checks(app, settings)
+    app.add_middleware(AccessCheck, admin=admin, api_key=settings.api_key)  # last, so outermost: before the body
     add_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -257,9 +287,12 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        server.metrics.observe_experts(client.expert_view())  # on scrape: a MoE pool's load is layers x experts
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(raw: Request) -> Response:
+        body = generate_latest(server.metrics.registry)
+        if admin.refusal(raw.headers) is None:  # the per-expert series: for those who may read GET /experts
+            server.metrics.observe_experts(client.expert_view())  # on scrape: a MoE pool's load is layers x experts
+            body += generate_latest(server.metrics.expert_registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
     async def stats() -> dict[str, Any]:
@@ -282,22 +315,6 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     add_kv_session_routes(app, server.kv_sessions)
     add_tokenize_routes(app, server)
     return app
-
-
-def add_access_checks(app: FastAPI, settings: ServerSettings) -> None:
-    """`--api-key` on /v1/*; the admin routes as `AdminAccess` decides."""
-    admin = AdminAccess(bind_host=settings.bind_host, admin_api_key=settings.admin_api_key, api_key=settings.api_key)
-
-    @app.middleware("http")
-    async def check_access(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        path = request.url.path
-        if path.startswith(ADMIN_PATHS):
-            refusal = admin.refusal(request.headers)
-            if refusal is not None:
-                return refusal.response()
-        elif settings.api_key and path.startswith("/v1") and not bearer_matches(request.headers, settings.api_key):
-            return HttpError(401, "invalid or missing API key", "AuthenticationError").response()
-        return await call_next(request)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -41,9 +41,10 @@ class ServeOptions:
     admin_api_key: str | None = None
     max_waiting_requests: int = 256
     max_request_bytes: int = 4 * 2**20
-    max_priority_range: int = 10**6
+    max_priority_range: int | None = None  # None: ServerSettings decides (0 without an API key)
     max_workers: int = 16
     max_n: int = 16
+    max_request_output_tokens: int | None = None  # None: the model's default (server.output_budget)
     max_kv_session_bytes: int = 2**30
     generation_config: str = AUTO  # auto | vllm | PATH, as vLLM's --generation-config
     deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
@@ -70,6 +71,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               max_request_bytes=options.max_request_bytes,
                               max_priority_range=options.max_priority_range, max_workers=options.max_workers,
                               max_n=options.max_n, generation_defaults=defaults,
+                              max_request_output_tokens=options.max_request_output_tokens,
                               max_kv_session_bytes=options.max_kv_session_bytes,
                               kv_session_secret=cluster_secret())  # the workers' too: deploy is given it
     listener = bind_listener(options.host, options.port)  # a port in use fails here, before any worker starts

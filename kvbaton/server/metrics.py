@@ -71,12 +71,14 @@ class ServerMetrics:
         self.store_hit_tokens = gauge("kv_store_hit_tokens", "Prompt tokens loaded from the KV store tiers since start")
         self.tier = {name: Gauge(f"kvbaton:kv_store_{name}", doc, labels + ["tier"], registry=self.registry)
                      for name, doc in _TIER_GAUGES.items()}
-        # NOTE: one series per MoE layer and expert (e.g. 48 x 128 for a Qwen3-MoE-30B): what EPLB balances
+        # NOTE: one series per MoE layer and expert (e.g. 48 x 128 for a Qwen3-MoE-30B): what EPLB balances. In a
+        # registry of their own: they say as much of the traffic as GET /experts, so only its users see them.
+        self.expert_registry = CollectorRegistry()
         self.expert_tokens = Gauge("kvbaton:expert_tokens", "Tokens routed to each expert over the load window",
-                                   labels + ["layer", "expert"], registry=self.registry)
+                                   labels + ["layer", "expert"], registry=self.expert_registry)
         self.expert_balancedness = Gauge("kvbaton:expert_balancedness", "Mean over max expected tokens per rank of "
                                          "an expert-parallel group, per MoE layer (1: even)",
-                                         labels + ["ep_group", "layer"], registry=self.registry)
+                                         labels + ["ep_group", "layer"], registry=self.expert_registry)
         self.finished_listeners: list[Callable[[RequestOutput], None]] = []  # e.g. the autoscaler's window
 
     def observe_stats(self, stats: EngineStats) -> None:

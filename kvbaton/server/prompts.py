@@ -15,6 +15,7 @@ from functools import partial
 from typing import TypeVar
 
 from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.server.chat_encoding import ChatEncoder
 from kvbaton.server.errors import ApiError
 
 PROMPT_THREADS = 2
@@ -39,6 +40,7 @@ class PromptEncoder:
         # max_model_len tokens, each at most max_token_bytes long: anything longer cannot fit. (Sound for
         # tokenizers that keep every character, as byte-level BPE and SentencePiece do.)
         self.max_chars = max_model_len * max_token_bytes(tokenizer)
+        self.chat_encoder = ChatEncoder(tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="kvbaton-prompt")
 
     async def completion(self, prompt: str | list[int],
@@ -53,11 +55,14 @@ class PromptEncoder:
 
     async def chat(self, messages: list[dict], add_generation_prompt: bool = True,
                    add_special_tokens: bool = True, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The rendered chat and its token ids, in which message text cannot forge special tokens (`ChatEncoder`)."""
         template = partial(self.tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
                            tools=tools)
         text = await self._run(template, messages)
         self._check_chars(text, "messages")
-        return text, await self._run(partial(self.tokenizer.encode, add_special_tokens=add_special_tokens), text)
+        encode = partial(self.chat_encoder.encode, text, tools=tools, render=template,
+                         add_special_tokens=add_special_tokens)
+        return text, await self._run(encode, messages)
 
     async def decode(self, token_ids: list[int]) -> str:
         """Token ids back to text, special tokens kept (the caller bounds their number and range)."""

@@ -8,12 +8,11 @@ type- and range-checked so a bad value gets a 400 naming the field. Integers are
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
 from kvbaton.engine.info import MAX_STOP_TOKEN_IDS
 from kvbaton.engine.sampling_params import (
@@ -33,6 +32,7 @@ from kvbaton.engine.sampling_params import (
 )
 from kvbaton.engine.structured.spec import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
 from kvbaton.server.tools import ToolFields, ToolMessageFields
+from kvbaton.server.tools.scan import MAX_JSON_DEPTH, loads_json, nesting_depth
 
 # NOTE: OpenAI allows 4 stop sequences; each one is searched for in the text after every token, so
 # their number and length bound per-token work. vLLM sets no limit; these are generous.
@@ -68,6 +68,13 @@ class JsonSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
+def json_schema_spec(schema: dict[str, Any] | bool) -> StructuredOutput:
+    """The schema as a spec, bounded in depth: grammar engines and the schema checks recurse over it."""
+    if nesting_depth(schema, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise ValueError(f"the schema is nested more than {MAX_JSON_DEPTH} levels deep")
+    return StructuredOutput.json_schema(schema)
+
+
 class ResponseFormat(BaseModel):
     """OpenAI's `response_format`: text, JSON mode (`json_object`), or a JSON schema."""
 
@@ -81,7 +88,7 @@ class ResponseFormat(BaseModel):
             return StructuredOutput.json_schema({"type": "object"})
         if self.json_schema is None:
             raise ValueError("type json_schema needs a json_schema")
-        return StructuredOutput.json_schema(self.json_schema.json_schema)
+        return json_schema_spec(self.json_schema.json_schema)
 
 
 class StructuredOutputsField(BaseModel):
@@ -102,15 +109,15 @@ class StructuredOutputsField(BaseModel):
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar, json_object")
         if self.json_ is not None:
-            if isinstance(self.json_, str):
+            schema = self.json_
+            if isinstance(schema, str):
                 try:
-                    schema = json.loads(self.json_)
-                except json.JSONDecodeError as exc:
+                    schema = loads_json(schema)
+                except ValueError as exc:
                     raise ValueError(f"json is not a valid JSON schema text: {exc}") from None
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("json must be a JSON schema (an object)")
-                return StructuredOutput.json_schema(schema)
-            return StructuredOutput.json_schema(self.json_)
+            return json_schema_spec(schema)
         if self.regex is not None:
             return StructuredOutput("regex", utf8_text(self.regex, "regex"))
         if self.choice is not None:
@@ -243,6 +250,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: Annotated[int, Strict(), Field(ge=0, le=20)] | None = None
     echo: Annotated[bool, Strict()] = False
     suffix: str | None = None
+    # NOTE: OpenAI's legacy field: `best_of` candidates, the `n` likeliest returned. Not implemented (vLLM's V1
+    # engine dropped it too); accepted only where it changes nothing, refused rather than silently ignored.
+    best_of: Annotated[int, Strict(), Field(ge=1, le=MAX_N)] | None = None
 
     @field_validator("prompt", mode="plain", json_schema_input_type=str | list[int] | list[str] | list[list[int]])
     @classmethod
@@ -259,6 +269,15 @@ class CompletionRequest(_SamplingFields):
         if suffix:  # a fill-in-the-middle suffix needs a model trained for it; silently ignoring it would mislead
             raise ValueError("suffix is not supported")
         return suffix
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_changes_nothing(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)  # validated before: a field of the base class
+        if best_of is not None and best_of != n:
+            raise ValueError(f"{best_of} candidates for n={n} is not supported; ask for n choices (with "
+                             f"logprobs) and pick among them")
+        return best_of
 
     def sampling_params(self, defaults: Mapping[str, float | int] = EMPTY) -> SamplingParams:
         return self._sampling_params(self.max_tokens, self.logprobs, defaults)

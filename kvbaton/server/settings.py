@@ -10,6 +10,8 @@ from kvbaton.engine.generation_config import GenerationDefaults
 from kvbaton.engine.sampling_params import INT64_MAX, MAX_N
 from kvbaton.server.admission import AdmissionLimits
 
+KEYED_PRIORITY_RANGE = 10**6  # client priorities behind an API key, unless --max-priority-range says otherwise
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServerSettings:
@@ -20,11 +22,14 @@ class ServerSettings:
     admission: AdmissionLimits = AdmissionLimits()
     retry_after_s: int = 1
     max_request_bytes: int = 4 * 2**20
-    # NOTE: a client may ask to be served before others, but only by so much: |priority| <= this
-    # (0: client priorities are refused, everyone is equal).
-    max_priority_range: int = 10**6
+    # NOTE: a client may ask to be served before others, but only by so much: |priority| <= this (0: client
+    # priorities are refused, everyone is equal). None: 0 without an API key, where any client could jump the
+    # queue, and KEYED_PRIORITY_RANGE behind one, where the clients are known.
+    max_priority_range: int | None = None
     max_workers: int = 16
     max_n: int = 16  # choices per request (n); more is a 400
+    # choices x max_tokens x (1 + top logprobs) per request (see output_budget); None: its default for the model
+    max_request_output_tokens: int | None = None
     # the model's recommended sampling settings: the fields a request leaves unset take these
     generation_defaults: GenerationDefaults = GenerationDefaults()
     max_kv_session_bytes: int = 2**30  # POST /admin/kv/restore's body: a session file
@@ -34,9 +39,17 @@ class ServerSettings:
     def __post_init__(self) -> None:
         if min(self.max_request_bytes, self.max_kv_session_bytes) < 1024:
             raise ConfigError("max_request_bytes and max_kv_session_bytes must be >= 1024")
-        if not 0 <= self.max_priority_range <= INT64_MAX:
+        if self.max_priority_range is not None and not 0 <= self.max_priority_range <= INT64_MAX:
             raise ConfigError("max_priority_range must be in [0, 2**63)")
         if self.max_workers < 1:
             raise ConfigError("max_workers must be >= 1")
+        if self.max_request_output_tokens is not None and self.max_request_output_tokens < 1:
+            raise ConfigError("max_request_output_tokens must be >= 1")
         if not 1 <= self.max_n <= MAX_N:
             raise ConfigError(f"max_n must be in [1, {MAX_N}]")
+
+    @property
+    def priority_range(self) -> int:
+        if self.max_priority_range is not None:
+            return self.max_priority_range
+        return KEYED_PRIORITY_RANGE if self.api_key else 0

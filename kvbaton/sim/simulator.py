@@ -101,7 +101,7 @@ class _Simulation:
         self.decode_policy: Policy = make_policy(cluster.decode_policy, cluster.decode.block_size)
         self.prefill_policy: Policy = make_policy(cluster.prefill_policy, cluster.prefill_instance.block_size)
         self.admission = AdmissionController(AdmissionLimits(cluster.max_waiting_requests),
-                                             cluster.decode.capacity_tokens)
+                                             cluster.decode.capacity_tokens, clock=lambda: self.now)
         spec = cluster.decode
         self.info = EngineInfo(max_model_len=spec.max_model_len, vocab_size=2**31 - 1, num_blocks=spec.num_blocks,
                                block_size=spec.block_size, max_num_batched_tokens=spec.scheduler.max_num_batched_tokens,

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from kvbaton.engine.structured.spec import MAX_GRAMMAR_CHARS
 from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.server.tool_schemas import first_invalid
 from kvbaton.server.tools import (
     ContentDelta,
     Delta,
@@ -37,8 +38,14 @@ from kvbaton.server.tools import (
     tool_parser,
 )
 from kvbaton.server.tools.fields import MAX_TOOLS_PARAMETERS_BYTES
-from kvbaton.server.tools.parameters import MAX_PARAMETERS_BYTES, MAX_PARAMETERS_DEPTH
-from kvbaton.server.tools.request import MAX_TOOLS
+from kvbaton.server.tools.parameters import (
+    MAX_PARAMETERS_BYTES,
+    MAX_PARAMETERS_DEPTH,
+    MAX_PARAMETERS_SUBSCHEMAS,
+    count_objects,
+)
+from kvbaton.server.tools.request import MAX_TOOLS, MAX_TOOLS_OBJECTS
+from kvbaton.server.tools.scan import MAX_JSON_DEPTH, loads_json
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -106,12 +113,31 @@ def test_duplicate_names_are_refused_naming_the_second() -> None:
     ({"type": "string"}, "must describe an object"),
     ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "does not resolve"),
     ({"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}}, "only references within"),
-    ({"type": "object", "description": "x" * MAX_PARAMETERS_BYTES}, "bytes as JSON, more than"),
 ])
-def test_bad_parameters_schemas_are_refused(parameters: dict, says: str) -> None:
-    loc, msg = error_of(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
-    assert loc == ("tools", 0, "function", "parameters")
-    assert says in msg
+def test_invalid_parameters_schemas_are_found_by_the_meta_schema_check(parameters: dict, says: str) -> None:
+    """Parsed (the bounds are met), then refused by the check the server runs in a thread, naming the tool."""
+    req = fields(tools=[WEATHER, {"type": "function", "function": {"name": "f", "parameters": parameters}}])
+    index, why = first_invalid(req.tools or []) or (None, "")
+    assert index == 1 and says in why, why
+    assert first_invalid(req.tools[:1] if req.tools else []) is None  # WEATHER alone is valid, and now remembered
+
+
+def test_parameters_beyond_their_bounds_are_refused_while_parsed() -> None:
+    """Before any meta-schema check: a 29 KiB schema of 9,800 empty sub-schemas cost 2.4 s of it on the loop."""
+    for parameters, says in [
+        ({"type": "object", "description": "x" * MAX_PARAMETERS_BYTES}, "bytes as JSON, more than"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{}] * MAX_PARAMETERS_SUBSCHEMAS}}},
+         f"more than {MAX_PARAMETERS_SUBSCHEMAS} sub-schemas"),
+    ]:
+        loc, msg = error_of(tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}])
+        assert loc == ("tools", 0, "function", "parameters")
+        assert says in msg
+    within_each = {"type": "object", "properties": {"a": {"anyOf": [{}] * (MAX_PARAMETERS_SUBSCHEMAS - 3)}}}
+    assert count_objects(within_each, 10**6) <= MAX_PARAMETERS_SUBSCHEMAS
+    many = [{"function": {"name": f"f{i}", "parameters": within_each}} for i in range(5)]
+    for hostile in (many, [{"function": {"name": "f", "parameters": {"anyOf": [{}] * 9800}}}]):
+        loc, msg = error_of(tools=hostile)
+        assert loc == ("tools",) and msg.startswith(f"more than {MAX_TOOLS_OBJECTS} JSON objects in the tools")
 
 
 def test_deep_and_non_json_schemas_are_refused() -> None:
@@ -286,6 +312,20 @@ def test_llama3_json_whole_text() -> None:
         assert llama.parse(text) == (text, [])
     content, calls = llama.parse('{"name": "f", "parameters": {}};\nDone. {bad')
     assert content == "Done. {bad" and [c.name for c in calls] == ["f"]
+
+
+def test_output_nested_past_the_json_bound_is_content_not_a_crash() -> None:
+    """A model's output nested deeper than `MAX_JSON_DEPTH` (past Python's parser: RecursionError, a 500)."""
+    def call(depth: int) -> str:  # the call object itself, its arguments, then `depth - 2` arrays
+        return '{"name": "f", "arguments": {"x": ' + "[" * (depth - 2) + "]" * (depth - 2) + "}}"
+
+    within = call(MAX_JSON_DEPTH)
+    for text in (call(2000), call(MAX_JSON_DEPTH + 1)):
+        assert tool_parser("hermes").parse(f"<tool_call>{text}</tool_call>").calls == []
+        assert tool_parser("llama3_json").parse(text) == (text, [])
+    assert [c.name for c in tool_parser("hermes").parse(f"<tool_call>{within}</tool_call>").calls] == ["f"]
+    with pytest.raises(ValueError, match=f"nested more than {MAX_JSON_DEPTH} levels"):
+        loads_json("[" * 5000)
 
 
 def test_parsers_by_name() -> None:

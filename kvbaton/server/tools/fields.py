@@ -27,8 +27,8 @@ from kvbaton.server.tools.request import (
     effective_tool_choice,
 )
 
-# NOTE: every tool's schema is checked against the meta-schema while the request is parsed, on the
-# event loop: this bounds that work (and what the tools add to the prompt) for the whole request.
+# NOTE: what the tools add to the prompt, for the whole request. (The meta-schema check's work is bounded
+# by their JSON objects, `request.MAX_TOOLS_OBJECTS`, before any tool is parsed.)
 MAX_TOOLS_PARAMETERS_BYTES = 256 * 1024
 
 

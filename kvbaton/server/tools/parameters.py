@@ -8,6 +8,7 @@ structured-output limits are tighter: 5 levels of nesting, 100 properties.)
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from referencing.jsonschema import DRAFT202012
 
 MAX_PARAMETERS_BYTES = 32 * 1024  # one schema, as compact JSON
 MAX_PARAMETERS_DEPTH = 32  # nested objects and arrays (each schema level is one or two)
+MAX_PARAMETERS_SUBSCHEMAS = 1024  # JSON objects in one schema: the meta-schema check's cost grows with them
 
 # NOTE: OpenAI: "omitting parameters defines a function with an empty parameter list": arguments `{}`.
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -39,11 +41,29 @@ def schema_bytes(schema: dict[str, Any]) -> int:
 
 
 def check_parameters(schema: dict[str, Any]) -> dict[str, Any]:
-    """`schema`, if it is a bounded Draft 2020-12 JSON Schema for an object; else ValueError saying why."""
-    if _depth(schema) > MAX_PARAMETERS_DEPTH:
+    """`schema`, if it is within bounds and describes an object; else ValueError saying why.
+
+    Only the cheap checks, run while the request is parsed on the event loop: the meta-schema check costs
+    ~0.3 ms per sub-schema, so it runs later, in a thread (`validate_parameters`)."""
+    depth, subschemas = _shape(schema)
+    if depth > MAX_PARAMETERS_DEPTH:
         raise ValueError(f"nested more than {MAX_PARAMETERS_DEPTH} levels deep")
+    if subschemas > MAX_PARAMETERS_SUBSCHEMAS:
+        raise ValueError(f"more than {MAX_PARAMETERS_SUBSCHEMAS} sub-schemas (JSON objects)")
     if (size := schema_bytes(schema)) > MAX_PARAMETERS_BYTES:
         raise ValueError(f"{size} bytes as JSON, more than {MAX_PARAMETERS_BYTES}")
+    return schema
+
+
+def validate_parameters(schema: dict[str, Any]) -> None:
+    """ValueError unless `schema` (already through `check_parameters`) is a Draft 2020-12 JSON Schema whose
+    references resolve within it. Remembered by content: agents send the same tools with every turn."""
+    _validate_text(json.dumps(schema, ensure_ascii=False, sort_keys=True, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=256)  # at most 8 MiB of schema text (only valid schemas are remembered)
+def _validate_text(text: str) -> None:
+    schema = json.loads(text)
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as e:
@@ -52,20 +72,33 @@ def check_parameters(schema: dict[str, Any]) -> dict[str, Any]:
     if kind != "object":
         raise ValueError(f"must describe an object (the arguments), not type {json.dumps(kind)}")
     _check_refs(schema)
-    return schema
 
 
-def _depth(value: Any) -> int:
-    """Nesting depth, up to one past the limit, without recursion (a hostile schema could be nested past
-    the stack)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
+def count_objects(value: Any, limit: int) -> int:
+    """JSON objects in `value`, counted up to one past `limit` (then it stops looking)."""
+    count, stack = 0, [value]
+    while stack and count <= limit:
+        node = stack.pop()
+        if isinstance(node, dict):
+            count += 1
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return count
+
+
+def _shape(value: Any) -> tuple[int, int]:
+    """Nesting depth and JSON objects, each up to one past its limit, without recursion (a hostile schema
+    could be nested past the stack)."""
+    deepest, objects, stack = 0, 0, [(value, 1)]
+    while stack and objects <= MAX_PARAMETERS_SUBSCHEMAS:
         node, depth = stack.pop()
+        objects += isinstance(node, dict)
         children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
         deepest = max(deepest, depth)
         if depth <= MAX_PARAMETERS_DEPTH:  # deeper is refused anyway: stop looking
             stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest
+    return deepest, objects
 
 
 def _schema_strings(schema: Any, key: str) -> Iterator[str]:

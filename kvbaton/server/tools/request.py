@@ -12,10 +12,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, PlainValidator, Strict, ValidationError, field_validator
 
-from kvbaton.server.tools.parameters import EMPTY_PARAMETERS, check_parameters
+from kvbaton.server.tools.parameters import EMPTY_PARAMETERS, check_parameters, count_objects
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function names
 MAX_TOOLS = 128  # OpenAI's limit
+MAX_TOOLS_OBJECTS = 4096  # JSON objects in all the tools (their schemas' meta-schema check: ~0.3 ms each)
 MAX_DESCRIPTION_CHARS = 16_384
 
 FunctionName = Annotated[str, Strict(), Field(pattern=NAME_PATTERN)]
@@ -103,9 +104,11 @@ def parse_tool_choice(value: Any) -> ToolChoice:
 
 
 def _at_most_max_tools(tools: Any) -> Any:
-    # before the items are validated: each one costs a JSON Schema check
+    # before the items are validated: the work their schemas cost grows with the tools and their objects
     if isinstance(tools, list) and len(tools) > MAX_TOOLS:
         raise ValueError(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    if (objects := count_objects(tools, MAX_TOOLS_OBJECTS)) > MAX_TOOLS_OBJECTS:
+        raise ValueError(f"more than {MAX_TOOLS_OBJECTS} JSON objects in the tools together ({objects} counted)")
     return tools
 
 

@@ -14,9 +14,34 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+MAX_JSON_DEPTH = 64  # nested arrays and objects: deeper text would only reach a recursion limit further on
+
+
 def loads_json(text: str) -> Any:
-    """`json.loads`, refusing NaN and Infinity: Python accepts them, JSON (and a client's parser) does not."""
-    return json.loads(text, parse_constant=_no_constant)
+    """`json.loads`, refusing NaN and Infinity (Python accepts them, JSON and a client's parser do not) and
+    nesting beyond `MAX_JSON_DEPTH` (Python's parser raises RecursionError past ~1,000 levels, and a
+    template's `tojson` or a schema walk would, further on, well before that): a ValueError either way."""
+    too_deep = f"nested more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError(too_deep) from None
+    if nesting_depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise ValueError(too_deep)
+    return value
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep arrays and objects nest in `value` (a scalar: 0), counted up to one past `limit`, without
+    recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= limit:
+                stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+    return deepest
 
 
 def dumps_json(value: Any) -> str:
