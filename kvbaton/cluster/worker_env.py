@@ -6,6 +6,7 @@ import os
 
 import msgspec
 
+from kvbaton.disagg.lifeline import PARENT_ENV
 from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
 from kvbaton.wire import SECRET_ENV
 
@@ -16,7 +17,7 @@ def worker_env(spec: WorkerSpec, secret: bytes) -> dict[str, str]:
     The cluster secret and the spec (which may hold a Redis password) go through the environment,
     never the command line (`ps` shows argv to everyone)."""
     env = {**os.environ, SECRET_ENV: secret.decode(), SPEC_ENV: msgspec.json.encode(spec).decode(),
-           "TOKENIZERS_PARALLELISM": "false"}
+           "TOKENIZERS_PARALLELISM": "false", PARENT_ENV: str(os.getpid())}  # the caller starts the worker
     if spec.engine.num_threads:
         # NOTE: the engine sets torch's thread count itself; this holds every other OpenMP pool in
         # the process to the worker's share of cores as well.

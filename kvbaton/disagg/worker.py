@@ -36,6 +36,7 @@ import zmq
 
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.disagg.heartbeat import HeartbeatThread
+from kvbaton.disagg.lifeline import exit_with_launcher, launcher_pid
 from kvbaton.disagg.messages import (
     AbortRequests,
     AddRequest,
@@ -110,7 +111,7 @@ class Worker:
         self.codec.trust(router_peer(spec))
         self.running = True
         self.draining = False
-        self._parent_pid = os.getppid() if exit_with_parent else None
+        self._parent_pid = launcher_pid() if exit_with_parent else None
         self._load_seq = 0
         self.last_load = self._load()  # what the heartbeat thread reports; replaced, never mutated
         self._heartbeat = HeartbeatThread(self.name, spec.router, spec.heartbeat_s, self.codec.for_stream(1), ctx,
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"the WorkerSpec as JSON (default: ${SPEC_ENV}; prefer the environment)")
     parser.add_argument("--exit-with-parent", action="store_true")
     args = parser.parse_args(argv)
+    if args.exit_with_parent:
+        exit_with_launcher()  # before the model loads: a launcher killed meanwhile must take us with it
     if not args.spec_json:
         parser.exit(2, f"kvbaton worker: no spec (set {SPEC_ENV} or pass --spec-json)\n")
     spec = msgspec.json.decode(args.spec_json.encode(), type=WorkerSpec)
