@@ -71,12 +71,12 @@ def served(*args: str, env: dict | None = None, startup_s: float = 240.0) -> Ite
     server = Served(f"http://127.0.0.1:{port}", proc, deque(maxlen=2000))
     drain = threading.Thread(target=_drain, args=(proc, server.lines), daemon=True)
     drain.start()
+    failed = False
     try:
         wait_until(lambda: _healthy(server, drain), startup_s, interval_s=0.2, message="server did not become healthy")
         yield server
     except BaseException:
-        # pytest shows a failing test's captured stderr: the server's side of the story goes with it
-        print(f"---- the server's last lines ----\n{server.log_tail(120)}", file=sys.stderr)
+        failed = True
         raise
     finally:
         children = child_pids(proc.pid)
@@ -86,6 +86,9 @@ def served(*args: str, env: dict | None = None, startup_s: float = 240.0) -> Ite
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if failed:  # pytest shows a failing test's captured stderr: the server's side of the story goes with it,
+            drain.join(timeout=5)  # to its last line (what its private servers said as they stopped included)
+            print(f"---- the server's last lines ----\n{server.log_tail(160)}", file=sys.stderr)
         for pid in children:  # the engine core must have gone with its frontend
             try:
                 wait_until(lambda pid=pid: not pid_alive(pid), 10, interval_s=0.2)

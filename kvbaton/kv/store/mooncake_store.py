@@ -40,6 +40,10 @@ class MooncakeStore:
     def stop(self, timeout_s: float = 5.0) -> None:
         for pid in reversed(self.pids):
             _stop(pid, timeout_s)
+        for name in ("master.log", "client.log"):  # their warnings and errors outlive the workdir: in our log
+            problems = _glog_problems(Path(self.workdir, name))
+            if problems:
+                logger.info("mooncake store %s, its last warnings and errors:\n%s", name, "\n".join(problems))
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> MooncakeStore:
@@ -84,6 +88,15 @@ def start_mooncake_store(capacity_bytes: int, host: str = "127.0.0.1",
 
 
 _CHILDREN: dict[int, subprocess.Popen] = {}
+GLOG_PROBLEM = ("W", "E", "F")  # glog's levels past INFO begin its lines
+
+
+def _glog_problems(log: Path, lines: int = 20) -> list[str]:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line[:1] in GLOG_PROBLEM and line[1:2].isdigit()][-lines:]
 
 
 def _spawn(cmd: list[str], log: Path) -> int:
