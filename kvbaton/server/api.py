@@ -9,6 +9,7 @@ knows the engines only through the `EngineClient` protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -198,14 +199,17 @@ class OpenAIServer:
             if kind == "chat":
                 for index in streams:
                     yield sse(builder.role_chunk(index))
-            async for index, out in merged(streams):
-                last[index] = out
-                c = out.outputs[0]
-                if index in parsers:
-                    for chunk in tool_chunks(builder, index, out, parsers[index], tool_calling):
-                        yield sse(chunk)
-                elif c.delta_text or c.finish_reason or (c.logprobs and c.delta_token_ids):
-                    yield sse(builder.chunk(index, out))
+            # NOTE: aclosing: closed with this body (the client gone), `merged` aborts the choices now, not when
+            # the garbage collector finalizes it
+            async with contextlib.aclosing(merged(streams)) as outputs:
+                async for index, out in outputs:
+                    last[index] = out
+                    c = out.outputs[0]
+                    if index in parsers:
+                        for chunk in tool_chunks(builder, index, out, parsers[index], tool_calling):
+                            yield sse(chunk)
+                    elif c.delta_text or c.finish_reason or (c.logprobs and c.delta_token_ids):
+                        yield sse(builder.chunk(index, out))
             if include_usage and last:
                 yield sse(builder.usage_chunk(list(last.items())))
             yield sse("[DONE]")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 
 from kvbaton.engine.request_output import RequestOutput
@@ -60,7 +60,7 @@ def request_choices(request_id: str, prompts: list[tuple[str | None, list[int]]]
 
 
 async def merged(streams: dict[int, AsyncGenerator[RequestOutput, None]],
-                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                  ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Outputs of several choices as they come, each with its index. An error in one ends the whole; closing
     this closes (so aborts) every choice still running."""
     if len(streams) == 1:  # the common case, without tasks
