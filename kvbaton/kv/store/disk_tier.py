@@ -2,25 +2,30 @@
 
     <directory>/<key hex[:2]>/<key hex>.kvb     one record (`records`: header | payload) per block
 
-A write lands whole or not at all: the writer fills `.<name>.tmp` next to the file and renames it
-over (`os.replace`), so a reader never sees a torn record. Writes run on one background thread:
+A write lands whole or not at all: the writer fills `.<name>.<random>.tmp` next to the file (created
+with O_EXCL | O_NOFOLLOW: a planted file or symlink is never written through) and renames it over
+(`os.replace`), so a reader never sees a torn record. Writes run on one background thread:
 `put` copies the payload into a private buffer and returns, the engine thread never waits on the
 disk, and a writer that falls behind drops writes (counted) instead of queueing without bound.
 
 Capacity is exact LRU over an in-memory index (touched by `get` and by a repeated `put`); a block
 past its TTL is a miss and is deleted. On construction the index is rebuilt from the files on disk.
 
-NOTE: one DiskTier per directory (one writing process). Several processes sharing a directory would
-each count only their own files against the capacity and evict each other's blocks blindly.
+One DiskTier per directory, enforced: it holds an exclusive `flock` on `<directory>/.lock` while open
+(several processes sharing a directory would each count only their own files against the capacity and
+evict each other's blocks blindly), and refuses a directory another user owns or others may write
+(whoever can write it serves its blocks to every matching prompt).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import heapq
 import logging
 import os
 import queue
+import secrets
 import stat
 import threading
 import time
@@ -38,6 +43,7 @@ logger = logging.getLogger(__name__)
 QUEUE_RECORDS = 256  # records waiting for the writer; beyond that a put is dropped
 SUFFIX = ".kvb"
 TEMP_SUFFIX = ".tmp"
+LOCK_NAME = ".lock"
 _FULL_BACKOFF_S = 1.0  # after the disk or a quota says "full", skip writes this long
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EFBIG, errno.EDQUOT})
 _Job = tuple[bytes, bytearray]
@@ -55,15 +61,34 @@ def _write_record(path: Path, record: bytearray) -> None:
     NOTE: no fsync. After a power loss a renamed file may hold zeros or stale bytes; its checksum
     then fails and it reads as a miss, which is all a cache needs (fsync would cost milliseconds a block)."""
     path.parent.mkdir(mode=0o700, exist_ok=True)
-    temp = path.with_name(f".{path.name}{TEMP_SUFFIX}")
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(record)
         os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+def _claim(directory: Path) -> int:
+    """Create `directory` (0700) if needed, check it is ours and not writable by others, and lock it for this
+    tier (an fd holding an exclusive flock, released when closed or when the process dies)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(directory, follow_symlinks=False)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"disk tier: refusing {directory}: it must be a directory of uid {os.getuid()} that "
+                              f"no one else may write (it is {'a directory' if stat.S_ISDIR(st.st_mode) else 'not one'}"
+                              f" of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RuntimeError(f"disk tier: {directory} is in use by another DiskTier (another process, or a worker of "
+                           f"another server with the same name): give each its own --kv-store-disk-dir") from None
+    return fd
 
 
 def _key_of(path: Path) -> bytes | None:
@@ -103,6 +128,7 @@ class DiskTier(KVTier):
         self._warned: set[str] = set()
         self._closed = False
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=QUEUE_RECORDS)
+        self._lock_fd = _claim(self.directory)
         self._load_index()
         self._writer = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._writer.start()
@@ -189,6 +215,7 @@ class DiskTier(KVTier):
         self._discard_queued()
         self._queue.put(None)  # room for it: nothing is enqueued once closed, and the queue was emptied
         self._writer.join(timeout_s)
+        os.close(self._lock_fd)  # the directory is free for the next DiskTier
 
     # --- the index (callers hold the lock) ---
 
@@ -359,7 +386,6 @@ class DiskTier(KVTier):
 
         NOTE: after a restart the LRU order is the write order (file mtimes): reads do not touch files,
         so the recency of reads before the restart is lost."""
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         now = time.time()
         found = [kept for path in self._files() if (kept := self._survivor(path, now)) is not None]
         with self._lock:

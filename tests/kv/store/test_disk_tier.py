@@ -94,6 +94,36 @@ def test_block_files_and_their_shards_are_private(make: MakeTier) -> None:
     check(tier)
 
 
+def test_one_tier_per_directory_and_only_a_private_one(make: MakeTier, tmp_path: Path) -> None:
+    """A second tier on an open directory is refused (each would count only its own files and evict the
+    other's); after the first closes it opens. A directory others may write is refused: they could plant
+    records served to every matching prompt."""
+    tier = make()
+    with pytest.raises(RuntimeError, match="in use by another DiskTier"):
+        DiskTier(tier.directory, PAYLOAD, 16 * RECORD, 60.0)
+    tier.close()
+    make(directory=tier.directory).close()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="no one else may write"):
+        DiskTier(shared, PAYLOAD, 16 * RECORD, 60.0)
+
+
+def test_a_planted_temp_name_is_never_written_through(make: MakeTier, tmp_path: Path) -> None:
+    """Temp files get random names, created with O_EXCL | O_NOFOLLOW: a symlink planted where the old fixed temp
+    name (`.<record>.tmp`) was would have led a write into the file it points at."""
+    tier = make()
+    target = tmp_path / "victim"
+    target.write_bytes(b"untouched")
+    record = path_of(tier.directory, key(0))
+    record.parent.mkdir(mode=0o700, exist_ok=True)
+    (record.parent / f".{record.name}.tmp").symlink_to(target)
+    put_all(tier, [0])
+    tier.flush()
+    assert target.read_bytes() == b"untouched" and read(tier, key(0)) == payload(0)
+
+
 def test_exact_lru_eviction_order(make: MakeTier) -> None:
     tier = make(blocks=3)
     put_all(tier, range(3))  # LRU order: 0 1 2
