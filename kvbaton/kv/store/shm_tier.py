@@ -10,8 +10,11 @@ slots. Eviction takes the set's empty, expired or least recently used slot: an a
 Concurrency across processes: one POSIX record lock per set (a byte of the arena file). Readers
 hold it shared while they copy a payload out; a writer holds it exclusive only to claim a slot
 (marking it WRITING, which readers skip) and to publish it (READY), and copies the payload in
-between without the lock. A writer that dies mid-copy leaves its slot WRITING; after STALE_S such
-a slot is free again. POSIX locks go with their process, so a killed worker never holds one.
+between without the lock. A writer that dies mid-copy leaves its slot WRITING; once its process is
+gone (the slot names its PID) and STALE_S have passed, the slot is free again. A writer that is only
+stalled keeps its slot however long: handed to another block, the slot would take the stalled
+writer's bytes over the new block's when it woke (its publish would fail, but the copy would land).
+POSIX locks go with their process, so a killed worker never holds one.
 `contains` reads headers without locks: a wrong answer costs a failed load (recomputed), never
 wrong KV, because `get` checks the header again under the lock.
 
@@ -48,7 +51,7 @@ logger = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 PAGE = 4096
 WAYS = 16  # 8 ways filled ~60% of an arena of random keys before a set overflowed; 16 go further
-STALE_S = 10.0  # a slot WRITING this long lost its writer
+STALE_S = 10.0  # a slot WRITING this long, whose writer's process is gone, is free again
 IN_FLIGHT_WAIT_S = 0.25  # the longest `contains` waits for blocks being written (a 2k-token prefix: ~20-50 ms)
 IN_FLIGHT_AGE_S = 0.05  # a slot claimed (or a block published) this recently has a live writer at work
 IN_FLIGHT_GAP_S = 0.01  # a writer publishes a block and claims the next within this (a descheduled one included)
@@ -57,8 +60,21 @@ MAGIC = b"KVBSHM01"
 _SUPER = struct.Struct("<8sQQQ")  # magic, payload_bytes, num_sets, ways
 EMPTY, WRITING, READY = 0, 1, 2
 # NOTE: the key as raw bytes (u1), not numpy "S": that strips trailing NULs, and hashes end in one 1 time in 256
-HEADER_DTYPE = np.dtype([("key", "u1", (KEY_BYTES,)), ("state", "<u4"), ("pad", "<u4"),
+HEADER_DTYPE = np.dtype([("key", "u1", (KEY_BYTES,)), ("state", "<u4"), ("writer", "<u4"),  # its PID, 0: none
                          ("last_access", "<f8"), ("expires", "<f8")])
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (0, an arena written before slots named their writer: no)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
 
 
 def arena_path(name: str, payload_bytes: int) -> str:
@@ -222,7 +238,7 @@ class ShmTier(KVTier):
                 return None
             self._count_eviction(row[way], now)
             row[way]["key"] = np.frombuffer(key, np.uint8)
-            row[way]["state"], row[way]["last_access"] = WRITING, now
+            row[way]["state"], row[way]["last_access"], row[way]["writer"] = WRITING, now, os.getpid()
             return way
 
     @staticmethod
@@ -231,7 +247,7 @@ class ShmTier(KVTier):
         best, best_rank = None, None
         for way in range(WAYS):
             state, access, expires = row[way]["state"], row[way]["last_access"], row[way]["expires"]
-            if state == WRITING and now - access < STALE_S:
+            if state == WRITING and (now - access < STALE_S or _alive(int(row[way]["writer"]))):
                 continue
             rank = (0 if state != READY else 1 if expires <= now else 2, access)
             if best_rank is None or rank < best_rank:

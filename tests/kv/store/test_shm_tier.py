@@ -88,6 +88,13 @@ def test_lru_within_a_set_and_capacity(arena_name):
     tier.close()
 
 
+def dead_pid() -> int:
+    """The PID of a process that has exited (and was reaped): it names no process now."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
 def test_a_writer_that_died_mid_copy_frees_its_slot_later(arena_name):
     tier = ShmTier(arena_name, PAYLOAD, WAYS * PAYLOAD, ttl_s=60)
     ids = keys_of_set(tier, 0, WAYS + 1)
@@ -95,6 +102,7 @@ def test_a_writer_that_died_mid_copy_frees_its_slot_later(arena_name):
         put(tier, i)
     headers = tier._headers[0]
     headers["state"][:] = WRITING  # as if every writer of the set had died mid-copy, just now
+    headers["writer"][:] = dead_pid()
     assert put(tier, ids[WAYS])  # skipped: nothing to claim yet (still True: not an error)
     assert tier.contains([key(ids[WAYS])]) == 0
     headers["last_access"][:] = time.time() - 60  # ... long ago
@@ -213,3 +221,21 @@ def test_a_writer_killed_mid_copy_costs_a_short_wait_once(arena_name):
     finally:
         stop(proc)
     tier.close()
+
+
+def test_a_slot_being_written_goes_back_only_when_its_writer_is_gone():
+    """A writer stalled mid-copy keeps its slot however long: given to another block, the slot would take the
+    stalled writer's bytes over that block's when it woke. A dead writer's slot is free once STALE_S passed."""
+    import numpy as np
+
+    from kvbaton.kv.store.shm_tier import HEADER_DTYPE, STALE_S
+
+    now = time.time()
+    row = np.zeros(WAYS, HEADER_DTYPE)
+    row["state"], row["last_access"], row["expires"] = READY, now, now + 60  # every slot live and recently read
+    row[3]["state"], row[3]["last_access"], row[3]["writer"] = WRITING, now - 10 * STALE_S, os.getpid()
+    assert ShmTier._victim(row, now) != 3  # stalled for long, but alive: not reclaimed
+    row[3]["writer"] = dead_pid()
+    assert ShmTier._victim(row, now) == 3  # its writer died mid-copy: the slot is free
+    row[3]["last_access"] = now - STALE_S / 2
+    assert ShmTier._victim(row, now) != 3  # not yet: a writer may be between its claim and its first bytes
