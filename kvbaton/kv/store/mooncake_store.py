@@ -72,7 +72,8 @@ def start_mooncake_store(capacity_bytes: int, host: str = "127.0.0.1",
     try:
         pids.append(_spawn([master_bin, f"-rpc_port={rpc}", f"-rpc_address={host}", f"-metrics_port={metrics}",
                             "-enable_http_metadata_server=true", f"-http_metadata_server_host={host}",
-                            f"-http_metadata_server_port={http}", "-enable_metric_reporting=false"],
+                            f"-http_metadata_server_port={http}", "-enable_metric_reporting=false",
+                            f"-metrics_host={host}"],  # its admin HTTP (remove_all, get_all_keys): not beyond host
                            Path(workdir, "master.log")))
         _wait_port(host, rpc, startup_timeout_s, Path(workdir, "master.log"), pids[0])
         _wait_port(host, http, startup_timeout_s, Path(workdir, "master.log"), pids[0])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -66,3 +67,17 @@ def test_a_killed_store_costs_misses_and_opens_the_breaker(store, caplog):
     pauses = [r.getMessage().rsplit("for ", 1)[1] for r in caplog.records if "skipping the tier" in r.getMessage()]
     assert pauses == [f"{RETRY_AFTER_S:.0f} s", f"{2 * RETRY_AFTER_S:.0f} s"]
     tier.close()
+
+
+def test_the_private_masters_admin_and_rpc_listen_on_loopback_only(store):
+    """The master's HTTP admin server (`/api/v1/remove_all`, `/get_all_keys`) listened on 0.0.0.0; it is bound
+    to the store's host now, as its RPC is. Read from the kernel's listening sockets (`ss`), not from our flags.
+    NOTE: its HTTP metadata server still listens on 0.0.0.0 whatever -http_metadata_server_host says (and the
+    transfer engine on every interface): a limit of Mooncake's, left to the listener item of issue 27."""
+    master = store.pids[0]
+    flags = dict(arg.split("=", 1) for arg in open(f"/proc/{master}/cmdline").read().split("\0") if "=" in arg)
+    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    bound = {line.split()[3].rsplit(":", 1)[1]: line.split()[3].rsplit(":", 1)[0]
+             for line in listening if f"pid={master}," in line}
+    for flag in ("-metrics_port", "-rpc_port"):
+        assert bound[flags[flag]] == "127.0.0.1", (flag, bound)
