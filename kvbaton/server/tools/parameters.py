@@ -20,6 +20,8 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 from referencing.jsonschema import DRAFT202012
 
+from kvbaton.server.tools.scan import nesting_depth
+
 MAX_PARAMETERS_BYTES = 32 * 1024  # one schema, as compact JSON
 MAX_PARAMETERS_DEPTH = 32  # nested objects and arrays (each schema level is one or two)
 MAX_PARAMETERS_SUBSCHEMAS = 1024  # JSON objects in one schema: the meta-schema check's cost grows with them
@@ -45,10 +47,9 @@ def check_parameters(schema: dict[str, Any]) -> dict[str, Any]:
 
     Only the cheap checks, run while the request is parsed on the event loop: the meta-schema check costs
     ~0.3 ms per sub-schema, so it runs later, in a thread (`validate_parameters`)."""
-    depth, subschemas = _shape(schema)
-    if depth > MAX_PARAMETERS_DEPTH:
+    if nesting_depth(schema, MAX_PARAMETERS_DEPTH) > MAX_PARAMETERS_DEPTH:
         raise ValueError(f"nested more than {MAX_PARAMETERS_DEPTH} levels deep")
-    if subschemas > MAX_PARAMETERS_SUBSCHEMAS:
+    if count_objects(schema, MAX_PARAMETERS_SUBSCHEMAS) > MAX_PARAMETERS_SUBSCHEMAS:
         raise ValueError(f"more than {MAX_PARAMETERS_SUBSCHEMAS} sub-schemas (JSON objects)")
     if (size := schema_bytes(schema)) > MAX_PARAMETERS_BYTES:
         raise ValueError(f"{size} bytes as JSON, more than {MAX_PARAMETERS_BYTES}")
@@ -85,20 +86,6 @@ def count_objects(value: Any, limit: int) -> int:
         elif isinstance(node, list):
             stack.extend(node)
     return count
-
-
-def _shape(value: Any) -> tuple[int, int]:
-    """Nesting depth and JSON objects, each up to one past its limit, without recursion (a hostile schema
-    could be nested past the stack)."""
-    deepest, objects, stack = 0, 0, [(value, 1)]
-    while stack and objects <= MAX_PARAMETERS_SUBSCHEMAS:
-        node, depth = stack.pop()
-        objects += isinstance(node, dict)
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        deepest = max(deepest, depth)
-        if depth <= MAX_PARAMETERS_DEPTH:  # deeper is refused anyway: stop looking
-            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-    return deepest, objects
 
 
 def _schema_strings(schema: Any, key: str) -> Iterator[str]:
