@@ -318,13 +318,23 @@ def _solve(samples: Sequence[ProfileSample], form: Form) -> np.ndarray:
     seconds = np.array([s.seconds for s in samples])
     a = np.array([_features(s.shape, form) for s in samples]) / seconds[:, None]  # rows: relative error
     c = _irls(a)
-    if c[0] + c[1] <= 0:
-        # NOTE: steps that all batch the same number of sequences (a short served trace) let the per-sequence prices
-        # stand in for the fixed cost, and a one-token step would cost nothing: fit again without them.
-        per_seq = [len(_features(samples[0].shape, form)) - k for k in (4, 2)]  # prefill_seqs, decode_seqs
-        a[:, per_seq] = 0.0
+    # NOTE: a short served trace (steps that all batch the same sequences, attention growing with each) lets the
+    # per-sequence and attention prices stand in for the fixed cost, and a one-token step would cost nothing. Fit
+    # again with fewer stand-ins until one prices it: without the per-sequence terms, then with only the token
+    # terms, then the intercept alone (which prices every step above zero as long as any step took time).
+    for dropped in _stand_ins(form, len(a[0])):
+        if c[0] + c[1] > 0:
+            break
+        a[:, dropped] = 0.0
         c = _irls(a)
     return c
+
+
+def _stand_ins(form: Form, num_features: int) -> tuple[list[int], ...]:
+    """Columns to drop, cumulatively, when a fit prices a one-token step at nothing (see `_solve`)."""
+    per_seq = [num_features - 4, num_features - 2]  # prefill_seqs, decode_seqs
+    past_token = list(range(2 + len(form.knots), num_features))  # jumps, attention, per-sequence
+    return per_seq, past_token, list(range(1, num_features))
 
 
 def _irls(a: np.ndarray) -> np.ndarray:

@@ -207,3 +207,13 @@ def test_steps_that_all_batch_three_sequences_still_give_a_one_token_step_a_cost
     model = ProfiledLatency.fit(samples)
     assert model.step_seconds(shape(decodes=1, context=10)) > 0
     assert model.step_seconds(StepShape(decode_seqs=3, decode_context=65)) == pytest.approx(0.00085, rel=0.5)
+
+
+def test_steps_whose_cost_follows_attention_alone_still_give_a_one_token_step_a_cost() -> None:
+    # the same trace, each decode step slower than the last: attention (decode_context, prefill_attended) can then
+    # price every step exactly with no fixed cost at all (CI drew such a trace once)
+    samples = [ProfileSample(StepShape(prefill_tokens=56, prefill_seqs=3, prefill_attended=1000), 0.02),
+               *(ProfileSample(StepShape(decode_seqs=3, decode_context=c), 1e-5 * c) for c in range(171, 186, 3))]
+    model = ProfiledLatency.fit(samples)
+    assert model.intercept + model.per_token > 0
+    assert model.step_seconds(StepShape(decode_seqs=3, decode_context=177)) == pytest.approx(0.00177, rel=0.5)
