@@ -1,19 +1,25 @@
 """A long soak of one `kvbaton serve`: the mixed load of tests/soak/test_soak.py, for longer.
 
-    .venv/bin/python benchmarks/soak.py                      # 600 s of load, colocated
-    .venv/bin/python benchmarks/soak.py --duration-s 120 --serve-args="--prefill 1 --decode 2"
+    .venv/bin/python benchmarks/soak.py                      # 1800 s of load, colocated
+    .venv/bin/python benchmarks/soak.py --duration-s 120 --serve-args="--prefill 1 --decode 1"
 
-The load is kvbaton/bench/soak.py: whole and streamed requests, streams cut mid-way,
-requests abandoned before their answer, stop strings; fresh random prompts from `--seed`.
-A warm-up round (`--warmup-s`) comes first. Printed: requests by kind and outcome, HTTP
-statuses, errors, p50/p99 end-to-end latency of the served requests, and the RSS of the server
-and of every worker after the warm-up and after the soak. Exit status 1 if a request failed,
-the server did not return to idle, or a worker was replaced.
+The load is kvbaton/bench/soak.py: whole and streamed requests, streams cut mid-way and whole
+requests abandoned (of 1-4 choices each), n-sampling, structured outputs, tool calls, stop strings;
+fresh random prompts from `--seed`. A warm-up round (`--warmup-s`) comes first. During the soak the
+RSS and open fds of the server and every worker are sampled every `--sample-s`.
+
+Printed: requests by kind and outcome, HTTP statuses, errors, p50/p99 end-to-end latency of the
+served requests, and per process the RSS after the warm-up and after the soak, its least-squares
+slope over the soak, and its open fds at idle before and after. `--json PATH` writes the same.
+Exit status 1 if a request failed, the server did not return to idle (an admission entry left
+pending is not idle), a worker was replaced, an RSS slope reached `--max-slope-mb-min`, or a
+process holds more fds at idle after the soak than before.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -22,62 +28,98 @@ from pathlib import Path
 from common.log import log
 from common.procs import thread_env
 from common.servers import Server, free_port, kvbaton_server
-from kvbaton.bench.soak import Outcome, SoakConfig, SoakResult, rss_mib, run_soak, stats, wait_idle, workers
+from kvbaton.bench.soak import (
+    Outcome,
+    ProcessTrace,
+    SoakConfig,
+    SoakResult,
+    open_fds,
+    rss_mib,
+    run_soak,
+    stats,
+    wait_idle,
+    workers,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--duration-s", type=float, default=600.0, help="seconds of load (after the warm-up)")
-    p.add_argument("--warmup-s", type=float, default=30.0)
+    p.add_argument("--duration-s", type=float, default=1800.0, help="seconds of load (after the warm-up)")
+    p.add_argument("--warmup-s", type=float, default=60.0)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--max-tokens", type=int, default=16, help="largest max_tokens a request asks for")
     p.add_argument("--max-prompt-words", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="thread pools of the server and its workers")
+    p.add_argument("--sample-s", type=float, default=5.0, help="how often RSS and fds are sampled")
+    p.add_argument("--max-slope-mb-min", type=float, default=1.0, help="the RSS slope a process must stay under")
     p.add_argument("--serve-args", default="--dtype float32 --max-model-len 1024",
                    help="arguments for `kvbaton serve` (one string)")
     p.add_argument("--log", type=Path, default=Path("/tmp/kvbaton-soak-server.log"))
+    p.add_argument("--json", type=Path, default=None, help="write the figures here too")
     return p.parse_args(argv)
 
 
-def rss_all(server_pid: int, worker_pids: dict[str, int]) -> dict[str, float]:
-    return {"server": rss_mib(server_pid), **{name: rss_mib(pid) for name, pid in worker_pids.items()}}
+def at_idle(pids: dict[str, int]) -> dict[str, tuple[float, int]]:
+    return {name: (rss_mib(pid), open_fds(pid)) for name, pid in pids.items()}
 
 
-def report(result: SoakResult, load_s: float, before: dict[str, float], after: dict[str, float]) -> None:
+def report(result: SoakResult, load_s: float, trace: ProcessTrace, before: dict[str, tuple[float, int]],
+           after: dict[str, tuple[float, int]]) -> dict[str, dict[str, float]]:
     print(f"load: {load_s:.0f}s, {result.summary()}")
     for (kind, outcome), n in sorted(result.counts.items(), key=lambda item: (item[0][0].value, item[0][1].value)):
         print(f"  {kind.value:<12} {outcome.value:<13} {n}")
     print(f"served={result.total(Outcome.SERVED)} errors={len(result.errors)} "
           f"p50={result.percentile_s(50):.2f}s p99={result.percentile_s(99):.2f}s")
+    figures = {}
     for name in before:
-        print(f"RSS {name:<16} {before[name]:8.1f} MiB -> {after[name]:8.1f} MiB  ({after[name] - before[name]:+.1f})")
+        (rss0, fds0), (rss1, fds1) = before[name], after[name]
+        slope, (fds_min, fds_max) = trace.rss_slope_mb_per_min(name), trace.fds_range(name)
+        figures[name] = {"rss_before_mib": rss0, "rss_after_mib": rss1, "rss_slope_mb_per_min": slope,
+                         "fds_before": fds0, "fds_after": fds1, "fds_min": fds_min, "fds_max": fds_max}
+        print(f"{name:<16} RSS {rss0:8.1f} -> {rss1:8.1f} MiB ({rss1 - rss0:+.1f}), slope {slope:+.3f} MB/min; "
+              f"fds at idle {fds0} -> {fds1} (under load {fds_min}-{fds_max})")
     for line in result.errors[:20]:
         print(f"  error: {line}")
+    return figures
 
 
 def soak(base: str, server_pid: int, args: argparse.Namespace) -> int:
     worker_pids = {w["name"]: w["pid"] for w in workers(base)}
+    pids = {"server": server_pid, **worker_pids}
     config = dict(concurrency=args.concurrency, max_tokens=args.max_tokens, max_prompt_words=args.max_prompt_words)
     log(f"warm-up {args.warmup_s:.0f}s against {base} (workers {worker_pids})")
     warmup = run_soak(base, SoakConfig(duration_s=args.warmup_s, seed=args.seed, **config))
     idle_before = wait_idle(base, timeout_s=60)
-    before = rss_all(server_pid, worker_pids)
+    before = at_idle(pids)
     log(f"soak {args.duration_s:.0f}s, seed {args.seed + 1}")
     t = time.monotonic()
-    result = run_soak(base, SoakConfig(duration_s=args.duration_s, seed=args.seed + 1, **config))
+    with ProcessTrace(pids, every_s=args.sample_s) as trace:
+        result = run_soak(base, SoakConfig(duration_s=args.duration_s, seed=args.seed + 1, **config))
     load_s = time.monotonic() - t
     idle_after = wait_idle(base, timeout_s=60)
-    after = rss_all(server_pid, worker_pids)
-    report(result, load_s, before, after)
+    after = at_idle(pids)
+    figures = report(result, load_s, trace, before, after)
     now = {w["name"]: w["pid"] for w in workers(base)}
     problems = [*(["not idle after the warm-up"] if idle_before is None else []),
                 *([f"not idle after the soak: {stats(base)}"] if idle_after is None else []),
                 *([f"workers changed: {worker_pids} -> {now}"] if now != worker_pids else []),
                 *([f"{len(warmup.errors) + len(result.errors)} request(s) failed"]
-                  if warmup.errors or result.errors else [])]
+                  if warmup.errors or result.errors else []),
+                *(f"{name}: RSS slope {f['rss_slope_mb_per_min']:+.3f} MB/min" for name, f in figures.items()
+                  if not f["rss_slope_mb_per_min"] < args.max_slope_mb_min),
+                *(f"{name}: {f['fds_after']} fds at idle after the soak, {f['fds_before']} before"
+                  for name, f in figures.items() if f["fds_after"] > f["fds_before"])]
     for problem in problems:
         print(f"PROBLEM: {problem}")
+    if args.json:
+        counts = {f"{k.value}/{o.value}": n for (k, o), n in sorted(result.counts.items(), key=str)}
+        args.json.write_text(json.dumps({
+            "serve_args": args.serve_args, "duration_s": load_s, "warmup_s": args.warmup_s, "seed": args.seed,
+            "concurrency": args.concurrency, "counts": counts, "statuses": dict(result.statuses),
+            "errors": len(warmup.errors) + len(result.errors), "p50_s": result.percentile_s(50),
+            "p99_s": result.percentile_s(99), "pending_admission_after": stats(base)["num_pending_admission"],
+            "processes": figures, "samples": len(trace.samples), "problems": problems}, indent=1))
     return 1 if problems else 0
 
 

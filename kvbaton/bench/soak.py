@@ -7,9 +7,14 @@ Each of `concurrency` clients loops until the deadline, drawing from its own see
     DISCONNECT   a streamed request whose connection is closed after a few chunks
     EARLY_CLOSE  a non-streamed request whose connection is closed before the answer comes
     STOP         a non-streamed request with stop strings (the text must not contain them)
+    N_SAMPLES    n = 2-4 choices, whole or streamed to the end (every choice must finish)
+    STRUCTURED   a chat whose answer a JSON schema constrains (a finished answer must parse and match)
+    TOOLS        a chat with `tool_choice: "required"` (a finished answer must be a call of the tool)
 
-with a fresh prompt of random words (random from the first word on, so the prefix cache cannot
-make the load trivial), a random length and a random `max_tokens`, on either endpoint.
+DISCONNECT and EARLY_CLOSE ask for n = 1-4 choices: a vanishing client of several choices must free
+every choice's admission entry and KV blocks (hardening issue 27, item 1). Each request has a fresh
+prompt of random words (random from the first word on, so the prefix cache cannot make the load
+trivial), a random length and a random `max_tokens`, on either endpoint (the last two kinds: chat).
 
 Shared by tests/soak/test_soak.py (bounded, in CI), the idle checks of tests/fuzz/test_api_fuzz.py and
 benchmarks/soak.py (long). It is a plain HTTP client: it imports nothing of the serving stack.
@@ -20,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
+import os
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,6 +48,9 @@ class Kind(enum.Enum):
     DISCONNECT = "disconnect"
     EARLY_CLOSE = "early_close"
     STOP = "stop"
+    N_SAMPLES = "n_samples"
+    STRUCTURED = "structured"
+    TOOLS = "tools"
 
 
 class Outcome(enum.Enum):
@@ -59,7 +69,8 @@ class SoakConfig:
     max_tokens: int = 16
     timeout_s: float = 120.0  # the longest silence a request may meet; past it the request counts as a hang
     weights: tuple[tuple[Kind, int], ...] = ((Kind.WHOLE, 3), (Kind.STREAM, 3), (Kind.DISCONNECT, 2),
-                                             (Kind.EARLY_CLOSE, 1), (Kind.STOP, 2))
+                                             (Kind.EARLY_CLOSE, 1), (Kind.STOP, 2), (Kind.N_SAMPLES, 2),
+                                             (Kind.STRUCTURED, 1), (Kind.TOOLS, 1))
 
     def __post_init__(self) -> None:
         if self.duration_s <= 0 or self.concurrency < 1 or not 1 <= self.min_prompt_words <= self.max_prompt_words:
@@ -109,20 +120,41 @@ class Planned:
     close_after_s: float = 0.0  # EARLY_CLOSE: how long we wait before closing
 
 
+# The constrained kinds' schemas: short answers (bounded strings), so that most finish within their tokens.
+ANSWER_SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 12},
+                                                  "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["word", "count"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+CONSTRAINED_MAX_TOKENS = 48
+
+
 def plan_request(rng: random.Random, config: SoakConfig) -> Planned:
     kinds, weights = zip(*config.weights)
     kind = rng.choices(kinds, weights)[0]
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(config.min_prompt_words, config.max_prompt_words)))
     body: dict[str, Any] = {"max_tokens": rng.randint(1, config.max_tokens),
                             "temperature": rng.choice((0.0, 0.0, 0.7, 1.0)), "seed": rng.randrange(2**31)}
-    chat = rng.random() < 0.5
+    chat = rng.random() < 0.5 or kind in (Kind.STRUCTURED, Kind.TOOLS)
     if chat:
         body["messages"] = [{"role": "user", "content": words}]
     else:
         body["prompt"] = words
-    if kind in (Kind.STREAM, Kind.DISCONNECT):
+    if kind in (Kind.DISCONNECT, Kind.EARLY_CLOSE):
+        body["n"] = rng.choice((1, 1, 2, 4))
+    elif kind is Kind.N_SAMPLES:
+        body["n"] = rng.randint(2, 4)
+    if kind in (Kind.STREAM, Kind.DISCONNECT) or (kind is Kind.N_SAMPLES and rng.random() < 0.5):
         body["stream"] = True
         body["stream_options"] = {"include_usage": rng.random() < 0.5}
+    if kind is Kind.STRUCTURED:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER_SCHEMA}}
+    elif kind is Kind.TOOLS:
+        body |= {"tools": [WEATHER_TOOL], "tool_choice": "required"}
+    if kind in (Kind.STRUCTURED, Kind.TOOLS):
+        body["max_tokens"] = CONSTRAINED_MAX_TOKENS
     if kind is Kind.STOP:
         body["stop"] = rng.sample(STOP_WORDS, rng.randint(1, 3))
         body["max_tokens"] = config.max_tokens
@@ -139,28 +171,58 @@ def _choice_text(choice: dict[str, Any]) -> str:
 
 def check_whole(planned: Planned, answer: dict[str, Any]) -> str | None:
     """Why a whole answer is wrong, or None."""
-    choice = answer["choices"][0]
-    text, usage = _choice_text(choice), answer["usage"]
-    if choice["finish_reason"] not in ("stop", "length"):
-        return f"finish_reason {choice['finish_reason']!r}"
-    if usage["completion_tokens"] > planned.body["max_tokens"]:
-        return f"{usage['completion_tokens']} tokens for max_tokens={planned.body['max_tokens']}"
+    n, max_tokens = planned.body.get("n", 1), planned.body["max_tokens"]
+    if len(answer["choices"]) != n:
+        return f"{len(answer['choices'])} choices for n={n}"
+    if answer["usage"]["completion_tokens"] > n * max_tokens:
+        return f"{answer['usage']['completion_tokens']} tokens for n={n} x max_tokens={max_tokens}"
+    for choice in answer["choices"]:
+        if (error := check_choice(planned, choice)) is not None:
+            return error
+    return None
+
+
+def check_choice(planned: Planned, choice: dict[str, Any]) -> str | None:
+    finish, text = choice["finish_reason"], _choice_text(choice)
+    if planned.kind is Kind.TOOLS:
+        return _check_tool_calls(choice) if finish == "tool_calls" else None if finish == "length" else \
+            f"finish_reason {finish!r} with tool_choice required"
+    if finish not in ("stop", "length"):
+        return f"finish_reason {finish!r}"
+    if planned.kind is Kind.STRUCTURED and finish == "stop":
+        value = json.loads(text)  # a ValueError here is recorded as the request's error
+        if not isinstance(value, dict) or set(value) != {"word", "count"} or len(value["word"]) > 12:
+            return f"answer {text!r} does not match its schema"
     leaked = [s for s in planned.body.get("stop", []) if s in text]
     return f"stop strings {leaked} in the text {text!r}" if leaked else None
 
 
-async def read_stream(resp: httpx.Response, cut_after_chunks: int | None) -> tuple[bool, str | None]:
-    """(completed, error) of a streamed answer; stops after `cut_after_chunks` data events if given."""
-    chunks = 0
+def _check_tool_calls(choice: dict[str, Any]) -> str | None:
+    calls = choice["message"].get("tool_calls") or []
+    for call in calls:
+        arguments = json.loads(call["function"]["arguments"])
+        if call["function"]["name"] != "get_weather" or set(arguments) != {"city"}:
+            return f"tool call {call['function']} is not one of get_weather(city)"
+    return None if calls else "finish_reason tool_calls without a call"
+
+
+async def read_stream(resp: httpx.Response, cut_after_chunks: int | None,
+                      num_choices: int = 1) -> tuple[bool, str | None]:
+    """(completed, error) of a streamed answer; stops after `cut_after_chunks` data events if given.
+
+    Read to the end, every one of `num_choices` choices must have finished (one finish_reason each)."""
+    chunks, finished = 0, Counter[int]()
     async for line in resp.aiter_lines():
         if not line.startswith("data:"):
             continue
         data = line[5:].strip()
         if data == "[DONE]":
-            return True, None
+            ok = sorted(finished) == list(range(num_choices)) and set(finished.values()) == {1}
+            return True, None if ok else f"choices finished {dict(finished)} for n={num_choices}"
         event = json.loads(data)
         if event.get("error"):
             return False, f"error event in the stream: {event['error']}"
+        finished.update(c["index"] for c in event.get("choices", ()) if c.get("finish_reason"))
         chunks += 1
         if cut_after_chunks is not None and chunks >= cut_after_chunks:
             return False, None
@@ -194,7 +256,7 @@ async def _send(client: httpx.AsyncClient, url: str, planned: Planned,
         if resp.status_code != 200:
             return Outcome.ERROR, f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
         cut = planned.cut_after_chunks if planned.kind is Kind.DISCONNECT else None
-        completed, error = await read_stream(resp, cut)
+        completed, error = await read_stream(resp, cut, planned.body.get("n", 1))
     # NOTE: leaving the block unread closes the connection (the pool keeps none alive): the disconnect.
     if error is not None:
         return Outcome.ERROR, error
@@ -247,6 +309,62 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def open_fds(pid: int) -> int:
+    """How many file descriptors `pid` holds open (entries of /proc/PID/fd)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+MIB_PER_MB = 1e6 / 2**20
+
+
+@dataclass
+class ProcessTrace:
+    """RSS and open fds of named processes, sampled every `every_s` seconds on a thread during a soak.
+
+    The RSS slope is a least-squares line through every sample: a leak shows as a steady climb,
+    while the allocator's ups and downs under load average out over a long enough run."""
+
+    pids: dict[str, int]
+    every_s: float = 5.0
+    samples: list[tuple[float, dict[str, float], dict[str, int]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        self.samples.append((time.monotonic(), {n: rss_mib(p) for n, p in self.pids.items()},
+                             {n: open_fds(p) for n, p in self.pids.items()}))
+
+    def __enter__(self) -> ProcessTrace:
+        def run() -> None:
+            while not self._stop.wait(self.every_s):
+                self.sample()
+
+        self.sample()
+        self._thread = threading.Thread(target=run, name="soak-process-trace", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        self.sample()
+
+    def rss_slope_mb_per_min(self, name: str) -> float:
+        """The least-squares slope of `name`'s RSS over the samples, in MB (10^6 bytes) per minute."""
+        t = [s[0] for s in self.samples]
+        y = [s[1][name] / MIB_PER_MB for s in self.samples]
+        if len(t) < 3:
+            return float("nan")
+        t_mean, y_mean = sum(t) / len(t), sum(y) / len(y)
+        var = sum((ti - t_mean) ** 2 for ti in t)
+        return 60.0 * sum((ti - t_mean) * (yi - y_mean) for ti, yi in zip(t, y)) / var
+
+    def fds_range(self, name: str) -> tuple[int, int]:
+        fds = [s[2][name] for s in self.samples]
+        return min(fds), max(fds)
 
 
 def workers(base_url: str) -> list[dict[str, Any]]:
