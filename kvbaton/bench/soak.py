@@ -1,6 +1,8 @@
 """A seeded mixed load for soak runs, and what a soak checks on the server afterwards.
 
-Each of `concurrency` clients loops until the deadline, drawing from its own seeded RNG one of
+Each of `concurrency` clients loops until the deadline, taking the next kind from a bag all clients
+share (every kind as many times as its weight, in a seeded shuffle, refilled when empty: the first
+`sum(weights)` requests hold every kind, however slow the server) and the rest from its own seeded RNG:
 
     WHOLE        a non-streamed request, read to the end
     STREAM       a streamed request, read to `data: [DONE]`
@@ -68,6 +70,8 @@ class SoakConfig:
     max_prompt_words: int = 64
     max_tokens: int = 16
     timeout_s: float = 120.0  # the longest silence a request may meet; past it the request counts as a hang
+    # Requests started before the clients stop, the deadline past or not: a bag of every kind in a bounded soak.
+    min_requests: int = 0
     weights: tuple[tuple[Kind, int], ...] = ((Kind.WHOLE, 3), (Kind.STREAM, 3), (Kind.DISCONNECT, 2),
                                              (Kind.EARLY_CLOSE, 1), (Kind.STOP, 2), (Kind.N_SAMPLES, 2),
                                              (Kind.STRUCTURED, 1), (Kind.TOOLS, 1))
@@ -131,9 +135,24 @@ WEATHER_TOOL = {"type": "function", "function": {
 CONSTRAINED_MAX_TOKENS = 48
 
 
-def plan_request(rng: random.Random, config: SoakConfig) -> Planned:
-    kinds, weights = zip(*config.weights)
-    kind = rng.choices(kinds, weights)[0]
+class KindBag:
+    """The kinds of the next requests: each kind `weight` times per bag, shuffled by a seeded RNG."""
+
+    def __init__(self, config: SoakConfig) -> None:
+        self._rng = random.Random(config.seed)
+        self._weights = config.weights
+        self._bag: list[Kind] = []
+        self.taken = 0
+
+    def take(self) -> Kind:
+        if not self._bag:
+            self._bag = [kind for kind, weight in self._weights for _ in range(weight)]
+            self._rng.shuffle(self._bag)
+        self.taken += 1
+        return self._bag.pop()
+
+
+def plan_request(rng: random.Random, config: SoakConfig, kind: Kind) -> Planned:
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(config.min_prompt_words, config.max_prompt_words)))
     body: dict[str, Any] = {"max_tokens": rng.randint(1, config.max_tokens),
                             "temperature": rng.choice((0.0, 0.0, 0.7, 1.0)), "seed": rng.randrange(2**31)}
@@ -281,17 +300,19 @@ def make_client(timeout_s: float) -> httpx.AsyncClient:
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout_s, connect=30.0), trust_env=False)
 
 
-async def _client_loop(base_url: str, config: SoakConfig, index: int, deadline: float, result: SoakResult) -> None:
+async def _client_loop(base_url: str, config: SoakConfig, index: int, deadline: float, kinds: KindBag,
+                       result: SoakResult) -> None:
     rng = random.Random(config.seed * 1000 + index)
     async with make_client(config.timeout_s) as client:
-        while time.monotonic() < deadline:
-            await send(client, base_url, plan_request(rng, config), result)
+        while time.monotonic() < deadline or kinds.taken < config.min_requests:
+            await send(client, base_url, plan_request(rng, config, kinds.take()), result)
 
 
 async def run_soak_async(base_url: str, config: SoakConfig) -> SoakResult:
-    result = SoakResult()
+    result, kinds = SoakResult(), KindBag(config)
     deadline = time.monotonic() + config.duration_s
-    await asyncio.gather(*(_client_loop(base_url, config, i, deadline, result) for i in range(config.concurrency)))
+    await asyncio.gather(*(_client_loop(base_url, config, i, deadline, kinds, result)
+                           for i in range(config.concurrency)))
     return result
 
 
