@@ -11,8 +11,6 @@ import dataclasses
 import enum
 import functools
 import logging
-import os
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,9 +101,9 @@ def resolve_kv_store(engine: EngineConfig, cleanups: list[Callable[[], None]]) -
     when no master was given."""
     store = engine.kv_store
     if "shm" in store.tiers and store.shm_name is None:
-        from kvbaton.kv.store.shm_tier import remove_arenas
+        from kvbaton.kv.store.shm_tier import remove_arenas, serve_arena_name
 
-        name = f"serve-{os.getpid()}-{secrets.token_hex(3)}"
+        name = serve_arena_name()
         store = dataclasses.replace(store, shm_name=name)
         cleanups.append(functools.partial(remove_arenas, name))
     if "redis" in store.tiers and store.redis_url is None:

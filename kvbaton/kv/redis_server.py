@@ -15,11 +15,11 @@ import secrets
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbaton.kv.owner import REDIS_PREFIX, owned_temp_dir
 from kvbaton.kv.processes import die_with_parent as term_with_parent
 from kvbaton.kv.processes import free_port, log_tail
 
@@ -111,7 +111,7 @@ def stop_redis_server(pid: int, timeout_s: float = 5.0) -> None:
 def _start_once(binary: str, host: str, port: int, maxmemory_mb: int | None, startup_timeout_s: float,
                 die_with_parent: bool, maxmemory_policy: str = "noeviction") -> RedisServer:
     password = secrets.token_hex(24)
-    workdir = tempfile.mkdtemp(prefix="kvbaton-redis-")
+    workdir = str(owned_temp_dir(REDIS_PREFIX))  # its owner recorded: the janitor removes it if we are killed
     log = Path(workdir, "redis.log")
     lines = [f"bind {host}", f"port {port}", "protected-mode yes", "save ''", "appendonly no", f"dir {workdir}",
              f"logfile {log}", "daemonize no", f"requirepass {password}"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbaton.cluster import janitor
 from kvbaton.cluster.autoscale_policy import AutoscaleConfig, check_deployment
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import ConfigError, EngineConfig
@@ -60,6 +61,9 @@ class ServeOptions:
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:
+    # NOTE: what a killed server left (temp dirs, shm arenas) goes first, one INFO line each, shown by default
+    logging.getLogger(janitor.__name__).setLevel(logging.INFO)
+    janitor.sweep()
     model_dir = resolve_model(config.model)  # pull / convert once, before any worker starts
     name = options.served_model_name or (DEFAULT_MODEL if config.model in (DEFAULT_MODEL, "default")
                                          else Path(model_dir).name)

@@ -1,7 +1,9 @@
 """Nothing outlives a killed `kvbaton serve`: SIGKILL (which no handler sees) during the workers' model load
 or once they serve, colocated and 1P+1D over a private redis-server, and every process it started exits by
 itself. Before, a worker read its launcher's PID only once its model was loaded: killed during the load,
-`serve` left a worker holding its model and KV pool for good."""
+`serve` left a worker holding its model and KV pool for good. The same for a private Ray head (its guard ends
+its session and removes its temp dir), and what only a `finally` would have removed (a private server's temp
+dir) goes when the next `serve` starts (the janitor, `tests/faults/test_janitor.py`)."""
 
 from __future__ import annotations
 
@@ -9,10 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import httpx
 import pytest
 
+from kvbaton.cluster import janitor
+from kvbaton.kv.owner import PREFIXES, REDIS_PREFIX, read_owner
 from tests.support.procs import child_pids, pid_alive, repo_python_env
 from tests.support.server import free_port
 from tests.support.wait import wait_until
@@ -64,7 +70,71 @@ def test_a_killed_colocated_serve_leaves_no_worker(default_model_dir, when):
 
 
 def test_a_killed_pd_serve_over_redis_leaves_no_process(tiny_llama):
-    """1P+1D with its private redis-server: two workers and redis, all killed with `serve` mid-load."""
+    """1P+1D with its private redis-server: two workers and redis, all killed with `serve` mid-load; the
+    redis-server's temp dir, which only a `finally` would have removed, goes at the next start-up (the janitor)."""
     proc, _ = _serve("--model", str(tiny_llama), "--dtype", "float32", "--prefill", "1", "--decode", "1",
                      "--kv-transport", "redis", "--local-prefill-threshold", "0", "--block-size", "4")
     _kill_and_expect_no_orphans(proc, expected_children=3)
+    left = _temp_dirs_of(proc.pid)
+    assert [p.name[:len(REDIS_PREFIX)] for p in left] == [REDIS_PREFIX]
+    janitor.sweep()  # NOTE: or another test's `serve` swept it first (each start-up sweeps): gone either way
+    assert not left[0].exists()
+
+
+def _temp_dirs_of(pid: int) -> list[Path]:
+    """The private servers' temp dirs that process `pid` made (see `kvbaton.kv.owner`)."""
+    return [p for prefix in PREFIXES for p in Path(tempfile.gettempdir()).glob(f"{prefix}*")
+            if (owner := read_owner(p)) is not None and owner.pid == pid]
+
+
+# ---- the private Ray head ----------------------------------------------------------------------
+
+# a launcher of the private Ray head, as the Ray backend starts it: prints its temp dir, then waits to be killed
+_HEAD_PARENT = """
+import sys
+from kvbaton.cluster.ray.head import LocalHead
+head = LocalHead(num_cpus=1, object_store_bytes=100 * 2**20)
+print(head.temp_dir, flush=True)
+head.start(timeout_s=120)
+print("up", flush=True)
+sys.stdin.read()
+"""
+
+
+def _session(sid: int) -> list[int]:
+    """The live processes of session `sid` (the guard leads the head's)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == sid and pid_alive(int(entry.name)):
+                pids.append(int(entry.name))
+        except (ProcessLookupError, FileNotFoundError):
+            pass
+    return pids
+
+
+@pytest.mark.parametrize("when", ["while it starts", "once it is up"])
+def test_a_killed_launcher_takes_its_private_ray_head_along(when):
+    """SIGKILL the process that started a private Ray head: the head's whole session (the guard, `ray start`,
+    gcs_server, raylet, ...) exits and its temp dir goes, while Ray starts and once it is up."""
+    parent = subprocess.Popen([sys.executable, "-c", _HEAD_PARENT], env=repo_python_env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    temp_dir, session = parent.stdout.readline().strip(), -1
+    try:
+        [session] = wait_until(lambda: child_pids(parent.pid), 30, message="the guard did not start")
+        if when == "while it starts":
+            wait_until(lambda: child_pids(session), 30, message="the guard did not start `ray start`")
+        else:
+            assert parent.stdout.readline().strip() == "up"
+        assert len(_session(session)) >= 2 and os.path.isdir(temp_dir)
+        parent.kill()
+        parent.wait()
+        wait_until(lambda: not _session(session) and not os.path.exists(temp_dir), 60, interval_s=0.2,
+                   message=lambda: f"left: session {_session(session)}, temp dir {os.path.exists(temp_dir)}")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for pid in _session(session) if session > 0 else []:
+            os.kill(pid, signal.SIGKILL)

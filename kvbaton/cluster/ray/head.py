@@ -1,4 +1,8 @@
-"""A private single-machine Ray head, started and stopped by PID (never `ray stop`), with token auth."""
+"""A private single-machine Ray head, started and stopped by PID (never `ray stop`), with token auth.
+
+It dies with the process that started it, from its first moment: `ray start` runs under a guard
+(`kvbaton.cluster.guard`) that ends the head's session and removes its temp dir once that process is
+gone, however it went (SIGKILL included)."""
 
 from __future__ import annotations
 
@@ -8,18 +12,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
+from kvbaton.cluster.guard import guard_command
 from kvbaton.cluster.ray.auth import head_env, write_token
 from kvbaton.cluster.ray.loopback import SINGLE_MACHINE_ENV
+from kvbaton.kv.owner import RAY_PREFIX, owned_temp_dir
 
 logger = logging.getLogger(__name__)
 
 
 class LocalHead:
-    """`ray start --head --block` as our child, in its own session: one machine, 127.0.0.1 only.
+    """`ray start --head --block` under a guard (`proc`, our child) in its own session: one machine, 127.0.0.1 only.
 
     Token authentication is on, with a fresh token in `token_path` (0600, see `auth`), which goes
     with the temp dir at `stop`; a client needs RAY_AUTH_MODE=token and that token to join."""
@@ -27,7 +31,7 @@ class LocalHead:
     def __init__(self, num_cpus: int, object_store_bytes: int) -> None:
         self.num_cpus, self.object_store_bytes = int(num_cpus), object_store_bytes
         # NOTE: short and under /tmp: Ray's unix socket paths live in here (108-byte limit).
-        self.temp_dir = Path(tempfile.mkdtemp(prefix="kvbray-", dir="/tmp"))
+        self.temp_dir = owned_temp_dir(RAY_PREFIX, "/tmp")
         self.log_path = self.temp_dir / "head.log"
         self.token_path = self.temp_dir / "auth_token"
         self.proc: subprocess.Popen | None = None
@@ -39,8 +43,8 @@ class LocalHead:
                f"--num-cpus={self.num_cpus}", "--num-gpus=0", f"--object-store-memory={self.object_store_bytes}"]
         env = {**head_env(write_token(self.token_path)), SINGLE_MACHINE_ENV: "0", "RAY_USAGE_STATS_ENABLED": "0"}
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(guard_command(os.getpid(), self.temp_dir, cmd), env=env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         marker, deadline = self.temp_dir / "ray_current_cluster", time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -56,7 +60,7 @@ class LocalHead:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM: `ray start --block` stops what it started; then SIGKILL its process group."""
+        """SIGTERM: the guard has `ray start --block` stop what it started; then SIGKILL its process group."""
         if self.proc is not None:
             if self.proc.poll() is None:
                 self.proc.terminate()

@@ -16,11 +16,11 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvbaton.kv.owner import MOONCAKE_PREFIX, owned_temp_dir
 from kvbaton.kv.processes import die_with_parent, free_port, log_tail
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def start_mooncake_store(capacity_bytes: int, host: str = "127.0.0.1",
     if master_bin is None or client_bin is None:
         raise MooncakeStoreError("the Mooncake Store binaries (mooncake_master, mooncake_client) are not installed: "
                                  "they come with the mooncake-transfer-engine wheel")
-    workdir = tempfile.mkdtemp(prefix="kvbaton-mooncake-")
+    workdir = str(owned_temp_dir(MOONCAKE_PREFIX))  # its owner recorded: the janitor removes it if we are killed
     rpc, http, metrics, client_port = (free_port(host) for _ in range(4))
     master, metadata_url = f"{host}:{rpc}", f"http://{host}:{http}/metadata"
     pids: list[int] = []

@@ -24,6 +24,10 @@ a group sharing a system prompt) finds the prefix half written. `contains` then 
 IN_FLIGHT_WAIT_S, for blocks that another worker is writing at that moment (claimed within the last
 IN_FLIGHT_AGE_S), or that the writer is about to claim (it published the block before just now):
 cheaper than recomputing them, and bounded, so a stalled or dead writer costs that wait once.
+
+The arena records no owner: servers may share one on purpose (`--kv-store-shm-name`). The one `kvbaton serve`
+makes for its own workers is named for its PID (`serve_arena_name`), so that a later server's janitor
+(`kvbaton.cluster.janitor`) can tell one that a killed server left behind (`arena_owner`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import glob
 import logging
 import mmap
 import os
+import re
+import secrets
 import struct
 import threading
 import time
@@ -80,6 +86,27 @@ def _alive(pid: int) -> bool:
 def arena_path(name: str, payload_bytes: int) -> str:
     """Arenas are per payload size: workers of other layouts on the host use other arenas."""
     return os.path.join(SHM_DIR, f"{safe_arena_name(name)}-{payload_bytes}")
+
+
+def serve_arena_name() -> str:
+    """A fresh arena name for one `kvbaton serve`'s workers, with the server's PID in it (see `arena_owner`)."""
+    return f"serve-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+_SERVE_ARENA = re.compile(r"kvb-store-serve-(\d+)-[0-9a-f]{6}-\d+")
+_HALF_MADE = re.compile(r"kvb-[\w.-]+-\d+\.(\d+)\.\d+\.tmp")  # `_create_arena`'s private name: its maker's PID
+
+
+def arena_owner(file_name: str) -> int | None:
+    """The PID that an arena file in SHM_DIR belongs to: the `kvbaton serve` a serve arena is named for, or the
+    worker that was building a half-made one. None for any other file, an operator-named arena included:
+    servers that come and go share it on purpose, and no process owns it."""
+    match = _SERVE_ARENA.fullmatch(file_name) or _HALF_MADE.fullmatch(file_name)
+    return int(match.group(1)) if match else None
+
+
+def has_arena_header(fd: int) -> bool:
+    return os.pread(fd, len(MAGIC), 0) == MAGIC
 
 
 def remove_arenas(name: str) -> None:
