@@ -23,6 +23,7 @@ from kvbaton.disagg.spec import ConnectorSpec
 from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.connectors.base import TRANSPORTS
+from kvbaton.platform.net import is_loopback
 from kvbaton.wire import CurveUnavailable, cluster_secret, require_curve
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class DeploymentSpec:
     num_decode: int = 1
     kv_transport: str = "shm"  # see kvbaton.kv.connectors.TRANSPORTS
     redis_url: str | None = None  # redis transport: None starts a private redis-server
-    allow_insecure_kv_transport: bool = False  # mooncake off loopback (its data plane is unauthenticated)
+    # mooncake, or an expert-parallel group's gloo sockets, off loopback (neither authenticates a peer)
+    allow_insecure_kv_transport: bool = False
     backend: Backend = Backend.LOCAL
     ray_address: str | None = None  # Ray backend: join this cluster (None: start a private head)
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -139,6 +141,18 @@ def make_launcher(spec: DeploymentSpec, secret: bytes) -> Launcher:
     return LocalLauncher(secret, spec.log_dir)
 
 
+def check_group_exposure(spec: DeploymentSpec, host: str) -> None:
+    """ConfigError for expert-parallel groups meeting off loopback unless the operator allowed it: the rendezvous
+    store and gloo's pair sockets (`engine.rendezvous`) authenticate no peer, so any host that reaches them could
+    join a group or feed its all-to-all."""
+    if is_loopback(host) or spec.allow_insecure_kv_transport:
+        return
+    if max(spec.pool.decode_ep_size, spec.pool.prefill_ep_size) > 1:
+        raise ConfigError(f"refusing expert-parallel groups on {host}: their rendezvous store and gloo sockets are "
+                          "unauthenticated. On a private, trusted cluster network pass --allow-insecure-kv-transport; "
+                          "otherwise serve on one node (127.0.0.1)")
+
+
 async def deploy(engine: EngineConfig, tokenizer: Tokenizer | Callable[[], Tokenizer], spec: DeploymentSpec,
                  secret: bytes | None = None) -> Deployment:
     """Start everything `spec` asks for and return once every worker has joined; on failure,
@@ -159,6 +173,7 @@ async def deploy(engine: EngineConfig, tokenizer: Tokenizer | Callable[[], Token
         launcher = make_launcher(spec, secret)
         cleanups.append(launcher.close)
         host = launcher.start()  # workers on other nodes must reach the router there
+        check_group_exposure(spec, host)
         # NOTE: the KV receiver binds loopback unless told otherwise; a Ray actor rebinds it to its node
         connector = ConnectorSpec(transport=spec.kv_transport, redis_url=redis_url,
                                   allow_insecure_transport=spec.allow_insecure_kv_transport)

@@ -4,8 +4,8 @@
   the deployment's own transport code and settings, between scratch pools: the engine's pools, blocks and
   connector are never touched, so a probe cannot corrupt or delay a request's KV.
 - all-reduce: a gloo process group of its own (not torch.distributed's default group, which an expert-parallel
-  worker uses) over a TCPStore that rank 0 hosts on its host for the probe's few seconds. NOTE: like the
-  expert-parallel rendezvous, that store is unauthenticated; it listens only while the probe runs.
+  worker uses) over a TCPStore that rank 0 hosts for the probe's few seconds, bound to the worker's host only
+  (`engine.rendezvous`). NOTE: like the expert-parallel rendezvous, that store is unauthenticated.
 - step profile: torch.profiler over the worker's next engine steps, on its loop thread, with kvbaton's C kernels
   labelled for the capture (they are ctypes calls, which the profiler would not see).
 
@@ -245,16 +245,25 @@ class WorkerProbes:
     # ---- all-reduce --------------------------------------------------------------------------
 
     def _run_all_reduce(self, msg: ProbeAllReduce) -> ProbeReport:
-        import torch.distributed as dist
+        from kvbaton.engine.rendezvous import meet  # NOTE: torch.distributed, imported when a probe first runs
 
         timeout = timedelta(seconds=msg.deadline_s)
         host = self.spec.host
         if msg.rank == 0:
-            store = dist.TCPStore(host, 0, msg.world_size, True, timeout=timeout, wait_for_workers=False)
-            self._out.put(ProbeReady(self.name, msg.probe_id, f"{host}:{store.port}"))
+            meeting = meet(host, 0, msg.world_size, True, timeout)
+            self._out.put(ProbeReady(self.name, msg.probe_id, f"{host}:{meeting.store.port}"))
         else:
             store_host, _, port = msg.store.rpartition(":")
-            store = dist.TCPStore(store_host, int(port), msg.world_size, False, timeout=timeout)
+            meeting = meet(store_host, int(port), msg.world_size, False, timeout)
+        try:
+            return self._all_reduce_on(meeting.store, msg, timeout)
+        finally:
+            meeting.close()
+
+    def _all_reduce_on(self, store: Any, msg: ProbeAllReduce, timeout: timedelta) -> ProbeReport:
+        import torch.distributed as dist
+
+        host = self.spec.host
         gloo: Any = dist.ProcessGroupGloo  # NOTE: its options and allreduce are missing from torch's type stubs
         options = gloo._Options()
         options._devices = [gloo.create_device(hostname=host)]

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from kvbaton.config import ConfigError, ExpertParallelConfig
 from kvbaton.engine.expert_balance import ExpertRebalancer
 from kvbaton.engine.expert_stats import ExpertStats
+from kvbaton.engine.rendezvous import address_of, meet
 from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.layers.moe.dispatch import AllToAllDispatch
 from kvbaton.models.loader import read_experts
@@ -32,8 +33,11 @@ class ExpertParallelGroup:
         self.config = config
         if dist.is_initialized():
             raise ConfigError("this process already belongs to a torch.distributed group; one EP engine per process")
-        dist.init_process_group("gloo", init_method=config.init_method, rank=config.rank, world_size=config.size,
-                                timeout=datetime.timedelta(seconds=config.timeout_s))
+        timeout = datetime.timedelta(seconds=config.timeout_s)
+        host, port = address_of(config.init_method)
+        self._meeting = meet(host, port, config.size, config.rank == 0, timeout)
+        dist.init_process_group("gloo", store=self._meeting.store, rank=config.rank, world_size=config.size,
+                                timeout=timeout)
         group = dist.group.WORLD
         assert group is not None, "init_process_group made the default group"
         self.group = group
@@ -130,3 +134,4 @@ class ExpertParallelGroup:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        self._meeting.close()

@@ -16,6 +16,7 @@ import pytest
 from kvbaton.disagg.flight import Phase
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
+from tests.support.procs import listening_addresses
 from tests.support.wait import async_wait_until
 
 MAX_NEW = 16
@@ -43,10 +44,16 @@ def test_served_expert_parallel_group_matches_transformers(moe_model, references
                                local_prefill_threshold=0) as router:
             outs = await asyncio.gather(*(collect(router, f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
             view = router.workers_view()
-            return outs, view
+            listening = {name: listening_addresses(w.pid) for name, w in router.pool.workers.items()}
+            return outs, view, listening
 
-    outs, view = run(scenario())
+    outs, view, listening = run(scenario())
     assert outs == refs
+    # every socket a rank listens on (the group's rendezvous store, gloo's pairs, the KV and control sockets) is on
+    # loopback: torch's store would listen on every interface, gloo where the hostname resolves
+    assert all(address == "127.0.0.1" for ports in listening.values() for address in ports.values()), listening
+    group_rank0 = "kvbaton-prefill-0" if prefill else "kvbaton-both-0"
+    assert len(listening[group_rank0]) >= 2, listening  # the store and a gloo pair listener at least
     groups = {w["name"]: w["ep_group"] for w in view}
     expected = {"kvbaton-both-0": "kvbaton-both-ep0", "kvbaton-both-1": "kvbaton-both-ep0"} if not prefill else {
         "kvbaton-prefill-0": "kvbaton-prefill-ep0", "kvbaton-prefill-1": "kvbaton-prefill-ep0",

@@ -10,8 +10,9 @@ import torch
 
 from kvbaton.cli import build_parser, deployment_from_args
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender
-from kvbaton.kv.connectors.mooncake.engine import check_data_plane, is_loopback
+from kvbaton.kv.connectors.mooncake.engine import check_data_plane
 from kvbaton.kv.pools import KVPools
+from kvbaton.platform.net import is_loopback
 from tests.kv import kv_receiver_peer as peer
 
 SECRET = secrets.token_hex(16).encode()

@@ -37,3 +37,12 @@ def pid_alive(pid: int) -> bool:
         return False
     state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
     return state != "Z"
+
+
+def listening_addresses(pid: int) -> dict[str, str]:
+    """port -> address of every TCP socket `pid` listens on, as the kernel has it (`ss`), not as a flag says."""
+    import subprocess
+
+    lines = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    local = [line.split()[3] for line in lines if f"pid={pid}," in line]
+    return {address.rsplit(":", 1)[1]: address.rsplit(":", 1)[0] for address in local}

@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import time
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from kvbaton.kv.store.keys import KEY_BYTES
 from kvbaton.kv.store.mooncake_store import start_mooncake_store
 from kvbaton.kv.store.mooncake_tier import RETRY_AFTER_S, MooncakeTier
+from tests.support.procs import listening_addresses
 from tests.support.wait import wait_until
 
 PAYLOAD = 64 * 1024
@@ -76,8 +76,6 @@ def test_the_private_masters_admin_and_rpc_listen_on_loopback_only(store):
     transfer engine on every interface): a limit of Mooncake's, left to the listener item of issue 27."""
     master = store.pids[0]
     flags = dict(arg.split("=", 1) for arg in open(f"/proc/{master}/cmdline").read().split("\0") if "=" in arg)
-    listening = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout.splitlines()
-    bound = {line.split()[3].rsplit(":", 1)[1]: line.split()[3].rsplit(":", 1)[0]
-             for line in listening if f"pid={master}," in line}
+    bound = listening_addresses(master)
     for flag in ("-metrics_port", "-rpc_port"):
         assert bound[flags[flag]] == "127.0.0.1", (flag, bound)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 
 from kvbaton.kv.pools import KVPools
+from kvbaton.platform.net import is_loopback
 
 PROTOCOL_ENV = "KVBATON_MOONCAKE_PROTOCOL"
 DEVICE_ENV = "KVBATON_MOONCAKE_DEVICE"
@@ -17,16 +17,6 @@ def protocol() -> str:
     if value not in PROTOCOLS:
         raise ValueError(f"{PROTOCOL_ENV}={value!r}: choose one of {', '.join(PROTOCOLS)}")
     return value
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve to anything
 
 
 def check_data_plane(host: str, allow_insecure: bool) -> None:
