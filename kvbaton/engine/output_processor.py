@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
+from kvbaton.engine.logprob_columns import LogprobColumns, LogprobsView, PromptLogprobsView
 from kvbaton.engine.outputs import EngineCoreOutput, FinishReason, TokenLogprobs
-from kvbaton.engine.request_output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvbaton.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.engine.tokenizer import Tokenizer
 
@@ -30,13 +31,13 @@ class _RequestState:
     text: str = ""
     num_text_sent: int = 0
     num_tokens_sent: int = 0
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: LogprobColumns | None = None
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     stop_string: str | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobsView | None = None
 
 
 class OutputProcessor:
@@ -50,7 +51,7 @@ class OutputProcessor:
         state = _RequestState(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_token_ids, params=params,
                               decoder=decoder, arrival_time=arrival_time)
         if params.logprobs is not None:
-            state.logprobs, state.cumulative_logprob = [], 0.0
+            state.logprobs, state.cumulative_logprob = LogprobColumns(), 0.0
         self._states[request_id] = state
 
     def process(self, output: EngineCoreOutput) -> tuple[RequestOutput, str | None]:
@@ -62,7 +63,10 @@ class OutputProcessor:
             state.first_scheduled_time = output.first_scheduled_time
             state.num_cached_tokens = output.num_cached_tokens
         if output.prompt_logprobs is not None and state.prompt_logprobs is None:
-            state.prompt_logprobs = [None, *map(self._ranked, output.prompt_logprobs)]
+            columns = LogprobColumns()
+            for entry in output.prompt_logprobs:
+                columns.append(entry)
+            state.prompt_logprobs = PromptLogprobsView(columns, self.tokenizer.token_text)
         # NOTE: users see plain strings, as vLLM's `finish_reason` (str() of a str-enum is its name)
         finish_reason = None if output.finish_reason is None else output.finish_reason.value
         stop_reason = output.stop_reason
@@ -96,15 +100,8 @@ class OutputProcessor:
     def _append_logprobs(self, state: _RequestState, entry: TokenLogprobs | None) -> None:
         if state.logprobs is None or state.cumulative_logprob is None or entry is None:
             return
-        state.logprobs.append(self._ranked(entry))
+        state.logprobs.append(entry)
         state.cumulative_logprob += entry.logprob
-
-    def _ranked(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        """The chosen token first, then the top N by rank."""
-        ranked = {entry.token_id: Logprob(entry.logprob, entry.rank, self.tokenizer.token_text(entry.token_id))}
-        for rank, (token_id, logprob) in enumerate(entry.top, start=1):
-            ranked.setdefault(token_id, Logprob(logprob, rank, self.tokenizer.token_text(token_id)))
-        return ranked
 
     def _build(self, state: _RequestState, finish_reason: str | None, stop_reason: int | str | None) -> RequestOutput:
         finished = finish_reason is not None
@@ -116,7 +113,9 @@ class OutputProcessor:
         completion = CompletionOutput(
             index=0, text=state.text, token_ids=list(state.token_ids),
             cumulative_logprob=state.cumulative_logprob,
-            logprobs=list(state.logprobs) if state.logprobs is not None else None,
+            # NOTE: a view of the positions so far, not a copy: the columns only grow (see logprob_columns)
+            logprobs=None if state.logprobs is None else LogprobsView(state.logprobs, len(state.logprobs),
+                                                                      self.tokenizer.token_text),
             finish_reason=finish_reason, stop_reason=stop_reason,
             delta_text=delta_text, delta_token_ids=delta_tokens,
         )

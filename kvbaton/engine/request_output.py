@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -18,7 +19,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: Sequence[dict[int, Logprob]] | None = None  # per output position (`logprob_columns`: rendered when read)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     delta_text: str = ""  # text released by the latest step (for streaming)
@@ -51,4 +52,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     # vLLM's: per prompt token, its logprob and the top N (None for the first token, which nothing predicts)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None

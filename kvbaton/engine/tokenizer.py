@@ -20,6 +20,7 @@ class Tokenizer:
         self.hf = _hf_tokenizer(self.model_dir)
         self.backend = self.hf.backend_tokenizer
         self.vocab_size = len(self.hf)
+        self._token_texts: dict[int, str] = {}
 
     @property
     def eos_token_id(self) -> int | None:
@@ -40,7 +41,12 @@ class Tokenizer:
                                                      add_generation_prompt=add_generation_prompt))
 
     def token_text(self, token_id: int) -> str:
-        return _one_text(self.hf.decode([token_id]))
+        """One token's text. NOTE: cached (at most one entry per vocabulary id): logprobs look up 1 + top N tokens
+        per position, and a decode call costs more than rendering the rest of the entry."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = _one_text(self.hf.decode([token_id]))
+        return text
 
     def decode_stream(self, skip_special_tokens: bool = True) -> DecodeStream:
         """Incremental detokenizer: yields text only once it no longer changes (UTF-8 safe)."""

@@ -49,6 +49,9 @@ from kvbaton.server.tool_schemas import ToolSchemaCheck
 from kvbaton.server.tools import inspect_chat_template
 
 DISCONNECT_POLL_S = 0.5
+# A whole response rendering this many logprob entries and tokens or more is built off the event loop: 7-10 ms per
+# thousand entries on an AMX Xeon core (/tmp-free measurement in benchmarks/results/hardening.md), so ~15 ms here.
+RENDER_OFF_LOOP_ENTRIES = 2_000
 
 
 class OpenAIServer:
@@ -248,7 +251,11 @@ class OpenAIServer:
                 task.cancel()  # closes a generator still running, which aborts its request in the core
         messages = None if tool_calling is None else {
             index: tool_calling.message(out.outputs[0].text, out.outputs[0].finish_reason) for index, out in outs}
-        return JSONResponse(builder.full(outs, messages))
+        if builder.body_entries(outs) < RENDER_OFF_LOOP_ENTRIES:
+            return JSONResponse(builder.full(outs, messages))
+        # NOTE: a body of many logprobs takes seconds to render and serialize: in a thread, the loop keeps serving
+        # (it still shares the GIL, but gets it back every switch interval instead of waiting out the build)
+        return await asyncio.to_thread(lambda: JSONResponse(builder.full(outs, messages)))
 
 
 def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:

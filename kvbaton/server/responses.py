@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbaton.engine.request_output import CompletionOutput, Logprob, RequestOutput
@@ -38,7 +39,7 @@ def _top(entry: dict[int, Logprob], top_n: int) -> list[Logprob]:
     return sorted(entry.values(), key=lambda lp: lp.rank or 0)[:top_n]
 
 
-def completion_logprobs(entries: list[dict[int, Logprob]], top_n: int, start_offset: int) -> dict:
+def completion_logprobs(entries: Sequence[dict[int, Logprob]], top_n: int, start_offset: int) -> dict:
     """Legacy completions format: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets, offset = [], [], [], [], start_offset
     for entry in entries:
@@ -51,15 +52,16 @@ def completion_logprobs(entries: list[dict[int, Logprob]], top_n: int, start_off
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def echoed_logprobs(prompt: str, entries: list[dict[int, Logprob] | None], top_n: int, generated: dict) -> dict:
+def echoed_logprobs(prompt: str, entries: Sequence[dict[int, Logprob] | None], top_n: int, generated: dict) -> dict:
     """The legacy completions logprobs with an echoed `prompt` in front of the `generated` ones: the prompt's
     first token has none (nothing predicts it), and its text is what the others' texts leave of the prompt."""
-    rest = [next(iter(e.values())) for e in entries[1:] if e is not None]
+    predicted = [e for e in entries[1:] if e is not None]  # rendered once (`logprob_columns`)
+    rest = [next(iter(e.values())) for e in predicted]
     first = prompt[: max(0, len(prompt) - sum(len(lp.decoded_token or "") for lp in rest))]
     tokens, offsets, offset = [first], [0], len(first)
     token_lps: list[float | None] = [None]
     tops: list[dict[str, float] | None] = [None]
-    for entry, chosen in zip([e for e in entries[1:] if e is not None], rest):
+    for entry, chosen in zip(predicted, rest):
         tokens.append(chosen.decoded_token or "")
         token_lps.append(chosen.logprob)
         tops.append({lp.decoded_token or "": lp.logprob for lp in _top(entry, top_n)})
@@ -69,7 +71,7 @@ def echoed_logprobs(prompt: str, entries: list[dict[int, Logprob] | None], top_n
                                                           ("top_logprobs", tops), ("text_offset", offsets))}
 
 
-def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list[dict | None] | None:
+def prompt_logprobs_json(entries: Sequence[dict[int, Logprob] | None] | None) -> list[dict | None] | None:
     """vLLM's `prompt_logprobs`: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
     if entries is None:
         return None
@@ -78,7 +80,7 @@ def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> lis
             for e in entries]
 
 
-def chat_logprobs(entries: list[dict[int, Logprob]], top_n: int) -> dict:
+def chat_logprobs(entries: Sequence[dict[int, Logprob]], top_n: int) -> dict:
     def item(lp: Logprob) -> dict:
         text = lp.decoded_token or ""
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
@@ -120,7 +122,7 @@ class ResponseBuilder:
     def _state(self, index: int) -> _ChoiceState:
         return self._choices.setdefault(index, _ChoiceState())
 
-    def _logprobs(self, c: CompletionOutput, entries: list[dict[int, Logprob]], text_offset: int,
+    def _logprobs(self, c: CompletionOutput, entries: Sequence[dict[int, Logprob]], text_offset: int,
                   echoed: tuple[str, RequestOutput] | None = None) -> dict | None:
         """`echoed`: the echoed prompt and the output carrying its logprobs, put in front of the generated ones."""
         if c.logprobs is None:
@@ -134,6 +136,12 @@ class ResponseBuilder:
 
     def _echoed(self, index: int) -> str:
         return self.echo[index] if self.echo is not None else ""
+
+    def body_entries(self, outs: list[tuple[int, RequestOutput]]) -> int:
+        """About how many logprob entries (and tokens) a whole response of `outs` renders: what its build costs."""
+        per_token = 1 + (self.top_logprobs or 0)
+        return sum(len(out.outputs[0].token_ids) + len(out.outputs[0].logprobs or ()) * per_token
+                   + len(out.prompt_logprobs or ()) * per_token for _, out in outs)
 
     def full(self, outs: list[tuple[int, RequestOutput]],
              messages: dict[int, tuple[dict, str | None]] | None = None) -> dict:

@@ -50,6 +50,19 @@ def test_chat_streamed_equals_whole(client):
     assert whole.usage.completion_tokens == whole.usage.total_tokens - whole.usage.prompt_tokens
 
 
+def test_a_whole_body_of_many_logprobs_is_rendered_off_the_loop_as_streamed(client):
+    # 100 positions x (1 + 20): over RENDER_OFF_LOOP_ENTRIES, so the whole body is built in a thread
+    from kvbaton.server.api import RENDER_OFF_LOOP_ENTRIES
+
+    assert 100 * 21 >= RENDER_OFF_LOOP_ENTRIES
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=100, temperature=0, logprobs=20, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True) if c.choices]
+    assert [t for c in chunks if c for t in c.tokens] == whole.tokens and len(whole.tokens) == 100
+    assert [t for c in chunks if c for t in c.top_logprobs] == whole.top_logprobs
+    assert all(len(top) >= 19 for top in whole.top_logprobs)  # 20, but for tokens whose texts coincide
+
+
 def test_logprobs_stop_and_seed(client):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs
