@@ -208,9 +208,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     pd.add_argument("--eplb-objective", default="tokens", choices=["tokens", "active_experts"],
                     help="EPLB balances tokens per rank, or the experts each rank must read per step (decode)")
     pd.add_argument("--allow-insecure-kv-transport", action="store_true",
-                    help="let --kv-transport mooncake, and expert-parallel groups' rendezvous and gloo sockets, "
-                         "listen off loopback: they authenticate no peer (any host that reaches them can read or "
-                         "write the KV pools, or join a group); private networks only")
+                    help="allow --kv-transport mooncake (it listens on every interface, whatever --host says) and "
+                         "expert-parallel groups off loopback: they authenticate no peer (any host that reaches "
+                         "them can read or write the KV pools, or join a group); private networks only")
     pd.add_argument("--encrypt-traffic", action="store_true",
                     help="encrypt router<->worker control traffic and the tcp/shm/mooncake KV transports' ZeroMQ "
                          "sockets with ZeroMQ CURVE (keys derived from the cluster secret); redis, shared-memory "

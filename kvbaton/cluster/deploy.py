@@ -23,6 +23,7 @@ from kvbaton.disagg.spec import ConnectorSpec
 from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
 from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.connectors.base import TRANSPORTS
+from kvbaton.kv.connectors.mooncake.engine import check_data_plane
 from kvbaton.platform.net import is_loopback
 from kvbaton.wire import CurveUnavailable, cluster_secret, require_curve
 
@@ -64,6 +65,11 @@ class DeploymentSpec:
                                   "redis): mooncake moves blocks between pools as they are")
         if self.kv_transport not in TRANSPORTS:
             raise ValueError(f"unknown KV transport {self.kv_transport!r}; choose one of {', '.join(TRANSPORTS)}")
+        if self.kv_transport == "mooncake":
+            try:  # NOTE: here, before any worker starts, not in each worker's log
+                check_data_plane("127.0.0.1", self.allow_insecure_kv_transport)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         for policy in (self.router.prefill_policy, self.router.decode_policy):
             if policy not in POLICIES:
                 raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")

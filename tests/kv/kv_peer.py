@@ -82,7 +82,7 @@ def main() -> None:
     else:
         pools = KVPools(layout, seeded_pools(args.seed, dtype))
     config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), redis_url=os.environ.get(REDIS_URL_ENV),
-                             worker_name="kvpeer")
+                             worker_name="kvpeer", allow_insecure_transport=args.transport == "mooncake")
     sender = make_sender(config, pools)
     src = [int(b) for b in args.src.split(",")]
     dst = [int(b) for b in args.dst.split(",")]

@@ -129,7 +129,7 @@ def main() -> None:
     watchdog.start()
 
     config = ConnectorConfig(args.transport, os.environ[SECRET_ENV].encode(), redis_url=os.environ.get(REDIS_URL_ENV),
-                             worker_name="kvpeer-recv")
+                             worker_name="kvpeer-recv", allow_insecure_transport=args.transport == "mooncake")
     dst = [int(b) for b in args.dst.split(",")]
     receivers, kvs = {}, {}
     for dtype in args.dtypes.split(","):

@@ -91,7 +91,7 @@ def test_refusals(make_pair, monkeypatch):
     assert not any(p.any() for p in dst)
     monkeypatch.setenv(PROTOCOL_ENV, "carrier-pigeon")
     with pytest.raises(ValueError, match=PROTOCOL_ENV):
-        make_receiver(ConnectorConfig("mooncake", SECRET), KVPools(sender.layout, dst))
+        make_receiver(ConnectorConfig("mooncake", SECRET, allow_insecure_transport=True), KVPools(sender.layout, dst))
 
 
 def test_contiguous_runs():

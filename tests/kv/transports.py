@@ -173,7 +173,8 @@ class PairFactory:
 
             self._monkeypatch.setenv(PROTOCOL_ENV, "tcp")
         url = self._redis_url() if transport == "redis" else None
-        return ConnectorConfig(transport, SECRET, worker_name="kvtest", redis_url=url, redis_ttl_s=REDIS_TTL_S)
+        return ConnectorConfig(transport, SECRET, worker_name="kvtest", redis_url=url, redis_ttl_s=REDIS_TTL_S,
+                               allow_insecure_transport=transport == "mooncake")  # it listens on every interface
 
     def peer_env(self, variant: str) -> dict[str, str]:
         env = {SECRET_ENV: SECRET.decode()}

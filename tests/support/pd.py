@@ -35,7 +35,8 @@ async def router_over(model_dir, prefill: int, decode: int, transport: str = "sh
     pool = PoolConfig(**{"heartbeat_s": 0.2, "dead_after_s": 2.0, "start_timeout_s": 120.0, **pool_kwargs})
     config = RouterConfig(**{k: v for k, v in router_kwargs.items() if k not in POOL_FIELDS})
     spec = DeploymentSpec(num_prefill=prefill, num_decode=decode, kv_transport=transport, redis_url=redis_url,
-                          router=config, pool=pool, log_dir=log_dir, encrypt_traffic=encrypt_traffic)
+                          allow_insecure_kv_transport=transport == "mooncake", router=config, pool=pool,
+                          log_dir=log_dir, encrypt_traffic=encrypt_traffic)
     deployment = await deploy(engine, Tokenizer(model_dir), spec)
     try:
         yield deployment.router

@@ -23,8 +23,8 @@ set before the sender's (expect() precedes begin()), so a sender that gave up is
 Protocol: `KVBATON_MOONCAKE_PROTOCOL` = "tcp" (default) or "rdma" on a real cluster, with
 `KVBATON_MOONCAKE_DEVICE` naming the RDMA NICs ("mlx5_0,mlx5_1"; empty: all). Mooncake's data
 plane is unauthenticated (any peer that can reach its port may read or write registered
-memory) and listens on every interface: use it only on a private cluster network. A worker refuses to
-start it on a non-loopback address unless the config says `allow_insecure_transport`
+memory) and listens on every interface, whatever host it is given: use it only on a private cluster
+network. A worker refuses to start it, on loopback too, unless the config says `allow_insecure_transport`
 (`kvbaton serve --allow-insecure-kv-transport`).
 """
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
-from kvbaton.kv.pools import KVPools
 from kvbaton.platform.net import is_loopback
+
+if TYPE_CHECKING:  # NOTE: torch: the deployment checks the data plane before any worker imports it
+    from kvbaton.kv.pools import KVPools
 
 PROTOCOL_ENV = "KVBATON_MOONCAKE_PROTOCOL"
 DEVICE_ENV = "KVBATON_MOONCAKE_DEVICE"
@@ -20,18 +23,24 @@ def protocol() -> str:
 
 
 def check_data_plane(host: str, allow_insecure: bool) -> None:
-    """ValueError unless the data plane stays on loopback or the operator allowed it explicitly."""
-    if not (allow_insecure or is_loopback(host)):
+    """ValueError unless the operator allowed the unauthenticated data plane explicitly, on loopback too.
+
+    NOTE: Mooncake's transfer engine listens on every interface whatever host it is given (given 127.0.0.1,
+    `ss` shows its handshake server on 0.0.0.0:<rpc port> and its data port on *:<port>; MC_TCP_BIND_ADDRESS
+    changes neither), so a loopback host keeps nothing off the network."""
+    if not allow_insecure:
+        where = "on loopback too: it listens on every interface whatever host it is given" if is_loopback(host) \
+            else "and it listens on every interface"
         raise ValueError(
             f"refusing to start the mooncake KV transport on {host}: its data plane is unauthenticated (any host "
-            "that reaches its port can read or overwrite the registered KV pools, and it listens on every "
-            "interface). On a private, trusted cluster network pass --allow-insecure-kv-transport "
-            "(ConnectorSpec.allow_insecure_transport); otherwise use --kv-transport tcp, whose data is signed")
+            f"that reaches its port can read or overwrite the registered KV pools), {where}. On a private, trusted "
+            "cluster network pass --allow-insecure-kv-transport (ConnectorSpec.allow_insecure_transport); "
+            "otherwise use --kv-transport tcp, whose data is signed")
 
 
 class Engine:
     """A Mooncake engine with every layer's pool registered (remote peers may access only those).
-    Off loopback only with `allow_insecure` (see `check_data_plane`)."""
+    Only with `allow_insecure` (see `check_data_plane`)."""
 
     def __init__(self, host: str, pools: KVPools, allow_insecure: bool = False) -> None:
         check_data_plane(host, allow_insecure)
