@@ -47,6 +47,7 @@ from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.pools import allocate_pools
 from kvbaton.kv.redis_server import start_redis_server
 from kvbaton.kv.store.disk_tier import DiskTier
+from kvbaton.kv.store.factory import store_record_key
 from kvbaton.kv.store.keys import StoreKeys
 from kvbaton.kv.store.redis_tier import RedisTier
 from kvbaton.kv.store.shm_tier import ShmTier, remove_arenas
@@ -148,14 +149,15 @@ def section_tiers() -> dict:
     shm.close()
     remove_arenas(name)
     with tempfile.TemporaryDirectory() as tmp:
-        disk = DiskTier(Path(tmp), LAYOUT.bytes_per_block, 2 * NUM_BLOCKS * LAYOUT.bytes_per_block, 600)
+        disk = DiskTier(Path(tmp), LAYOUT.bytes_per_block, 2 * NUM_BLOCKS * LAYOUT.bytes_per_block, 600,
+                        record_key=store_record_key())
         write_s, load_s = _store_load_s(disk, pools)
         out["disk"] = {"write_s": write_s, "load_s": load_s, "raw_s": _raw_file_read_s(Path(tmp)),
                        "raw": "reading the same files (page cache)"}
         disk.close()
     server = start_redis_server(maxmemory_mb=512, maxmemory_policy="allkeys-lru")
     try:
-        red = RedisTier(server.url, LAYOUT.bytes_per_block, 600)
+        red = RedisTier(server.url, LAYOUT.bytes_per_block, 600, record_key=store_record_key())
         write_s, load_s = _store_load_s(red, pools)
         out["redis"] = {"write_s": write_s, "load_s": load_s, "raw_s": _raw_redis_get_s(server.url),
                         "raw": "redis-py GET of same-size values"}

@@ -306,7 +306,8 @@ class KVStoreConfig:
     """The KV tiers shared beyond one worker's pool (`kvbaton.kv.store`), none unless `tiers` names them.
 
     shm: node-local shared memory, one named arena every worker on the host maps (L2).
-    disk: a directory of checksummed block files, bounded, kept across restarts (L3); one per worker.
+    disk: a directory of signed block files, bounded, kept across restarts under one cluster secret (L3); one per
+          worker.
     redis: a cluster-wide Redis, every block under the TTL (L4).
     mooncake: a Mooncake Store (a cluster-wide memory pool), the alternative L4.
     """

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request, Response
 from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.kv.store.base import KVTier
 from kvbaton.kv.store.keys import StoreKeys, model_fingerprint
+from kvbaton.kv.store.records import RecordKey
 from kvbaton.kv.store.session import (
     SessionError,
     StoreTarget,
@@ -108,7 +109,10 @@ class KVSessions:
                     raise ApiError(409, "KV sessions need a shared KV store tier: start the server with --kv-store "
                                         "shm (or redis)", "ConflictError")
                 payload = target.layout.bytes_per_block
-                tiers = await asyncio.to_thread(lambda: [open_tier(name, target.config, payload) for name in shared])
+                # NOTE: the workers' record key: deploy() hands them this same secret
+                record_key = RecordKey.of_secret(self._secret())
+                tiers = await asyncio.to_thread(lambda: [open_tier(name, target.config, payload, record_key)
+                                                         for name in shared])
                 fingerprint = await asyncio.to_thread(model_fingerprint, target.model_dir)
                 self._opened = (target, tiers, StoreKeys.of(fingerprint, target.layout))
             return self._opened

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import os
 import signal
 import socket
 import sys
@@ -25,7 +26,7 @@ from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
 from kvbaton.server.admission import AdmissionLimits
 from kvbaton.server.settings import ServerSettings
-from kvbaton.wire import cluster_secret
+from kvbaton.wire import SECRET_ENV, cluster_secret
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -70,6 +71,9 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
     config = dataclasses.replace(config, model=str(model_dir))
     defaults = load_generation_defaults(model_dir, options.generation_config)  # a bad PATH fails before workers
     print(f"kvbaton: {defaults.describe()}", file=sys.stderr, flush=True)
+    if "disk" in config.kv_store.tiers and not os.environ.get(SECRET_ENV):
+        print(f"kvbaton: the disk tier's blocks are signed under this run's fresh secret: set {SECRET_ENV} (kept "
+              "the same) for the next run to read them", file=sys.stderr, flush=True)
     settings = ServerSettings(served_model_name=name, api_key=options.api_key, admin_api_key=options.admin_api_key,
                               bind_host=options.host, admission=AdmissionLimits(options.max_waiting_requests),
                               max_request_bytes=options.max_request_bytes,

@@ -28,7 +28,7 @@ _TIER_GAUGES = {
     "write_seconds": "Seconds spent in writes", "used_bytes": "Bytes the tier holds",
     "capacity_bytes": "Bytes the tier may hold", "blocks": "Blocks the tier holds",
     "evictions": "Blocks evicted for room", "expirations": "Blocks dropped past their TTL",
-    "corrupt": "Blocks whose header or checksum did not match (each a miss)",
+    "corrupt": "Blocks whose header or MAC did not match (each a miss)",
     "errors": "I/O failures (server gone, disk full), each degraded to a miss or a skipped write",
     "dropped_writes": "Writes skipped (writer behind, tier down)",
 }

@@ -39,7 +39,7 @@ class TierStats:
     write_seconds: float = 0.0
     evictions: int = 0
     expirations: int = 0
-    corrupt: int = 0  # checksum or header mismatches, each counted as a miss too
+    corrupt: int = 0  # MAC or header mismatches (`records`), each counted as a miss too
     errors: int = 0  # I/O failures (server gone, disk full); each degraded to a miss or a skipped write
     dropped_writes: int = 0  # writes skipped because the writer was behind
 
@@ -73,7 +73,7 @@ class KVTier(ABC):
     @abstractmethod
     def get(self, key: bytes, sink: PayloadSink) -> bool:
         """Call `sink` with the block's payload and return True; False (sink not called) on a miss,
-        an expired block, a checksum mismatch or an I/O failure."""
+        an expired block, a MAC mismatch or an I/O failure."""
 
     @abstractmethod
     def put(self, key: bytes, fill: PayloadFiller) -> bool:

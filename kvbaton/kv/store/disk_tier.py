@@ -1,6 +1,6 @@
-"""L3: checksummed block files in a bounded directory, kept across restarts.
+"""L3: signed block files in a bounded directory, kept across restarts (by a process with the same cluster secret).
 
-    <directory>/<key hex[:2]>/<key hex>.kvb     one record (`records`: header | payload) per block
+    <directory>/<key hex[:2]>/<key hex>.kvb     one record (`records`: header | payload, MAC'd) per block
 
 A write lands whole or not at all: the writer fills `.<name>.<random>.tmp` next to the file (created
 with O_EXCL | O_NOFOLLOW: a planted file or symlink is never written through) and renames it over
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from kvbaton.kv.store.base import KVTier, PayloadFiller, PayloadSink, TierStats
 from kvbaton.kv.store.keys import KEY_BYTES, key_text
-from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, payload_of, write_header
+from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, RecordKey, payload_of, write_header
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class _Entry:
 def _write_record(path: Path, record: bytearray) -> None:
     """Write `record` to `path` atomically: a temp file in the same directory, then a rename.
 
-    NOTE: no fsync. After a power loss a renamed file may hold zeros or stale bytes; its checksum
+    NOTE: no fsync. After a power loss a renamed file may hold zeros or stale bytes; its MAC
     then fails and it reads as a miss, which is all a cache needs (fsync would cost milliseconds a block)."""
     path.parent.mkdir(mode=0o700, exist_ok=True)
     temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
@@ -105,12 +105,14 @@ def _key_of(path: Path) -> bytes | None:
 
 class DiskTier(KVTier):
     """Blocks as files under `directory`, at most `capacity_bytes` of them (header included), each
-    kept `ttl_s` seconds after its last write or refresh. Thread-safe; `put` returns before the
-    bytes land (`flush` waits for them)."""
+    kept `ttl_s` seconds after its last write or refresh, each signed under `record_key` (a file that does not
+    verify under it is a miss, counted corrupt, and deleted). Thread-safe; `put` returns before the bytes land
+    (`flush` waits for them)."""
 
     name = "disk"
 
-    def __init__(self, directory: str | Path, payload_bytes: int, capacity_bytes: int, ttl_s: float) -> None:
+    def __init__(self, directory: str | Path, payload_bytes: int, capacity_bytes: int, ttl_s: float, *,
+                 record_key: RecordKey) -> None:
         if payload_bytes <= 0 or capacity_bytes < 0 or not ttl_s > 0:
             raise ValueError(f"disk tier: payload_bytes={payload_bytes} and ttl_s={ttl_s} must be positive, "
                              f"capacity_bytes={capacity_bytes} not negative")
@@ -118,6 +120,7 @@ class DiskTier(KVTier):
         self.directory = Path(directory)
         self.record_bytes = HEADER_BYTES + payload_bytes
         self.ttl_s = ttl_s
+        self._record_key = record_key
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when `_pending` empties
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -154,7 +157,7 @@ class DiskTier(KVTier):
         try:
             with self._path(key).open("rb") as f:
                 record = f.read(self.record_bytes + 1)  # one byte more: a longer file fails the length check
-            payload = payload_of(record, key, self.payload_bytes)
+            payload = payload_of(record, key, self.payload_bytes, self._record_key)
         except CorruptRecord as exc:
             self._read_failed(key, entry, "corrupt", exc)
             return False
@@ -178,7 +181,7 @@ class DiskTier(KVTier):
         record = bytearray(self.record_bytes)
         view = memoryview(record)
         fill(view[HEADER_BYTES:])
-        write_header(view, key, self.payload_bytes)
+        write_header(view, key, self.payload_bytes, self._record_key)
         return self._enqueue(key, record)
 
     def stats(self) -> TierStats:

@@ -1,8 +1,11 @@
 """L4 on a Mooncake Store: blocks as objects in a cluster-wide memory pool (Mooncake's master places them in
 the segments its clients mount; `mooncake_store.py` runs a private one whose own process holds the memory).
 
-    object "kvb:<key hex>" = expiry (8, fp64 unix time) | record (`records.py`: key, length, CRC-32, payload)
+    object "kvb:<key hex>" = expiry (8, fp64 unix time) | record (`records.py`: MAC, key, length, payload)
 
+- Anyone who reaches the store may write it: a record that does not verify under `record_key` (forged, or
+  another cluster secret's) is a miss, counted corrupt, and removed. The expiry is outside the MAC: rewriting
+  it can keep a genuine block alive longer, never change what it holds.
 - Capacity and eviction are the store's: its master evicts (approximately LRU) past its high watermark.
 - TTL: Mooncake leases protect an object from eviction rather than expire it, so the expiry travels in the
   object; an expired block reads as a miss and is removed.
@@ -31,7 +34,7 @@ from typing import Any, TypeVar
 
 from kvbaton.kv.store.base import KVTier, PayloadFiller, PayloadSink, TierStats
 from kvbaton.kv.store.keys import key_text
-from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, payload_of, write_header
+from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, RecordKey, payload_of, write_header
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +50,13 @@ TRANSFER_BUFFER_BYTES = 64 * 2**20  # the client's local buffer, staging a get o
 class MooncakeTier(KVTier):
     name = "mooncake"
 
-    def __init__(self, master: str, metadata_url: str, payload_bytes: int, ttl_s: float, host: str = "127.0.0.1",
-                 capacity_bytes: int = 0) -> None:
+    def __init__(self, master: str, metadata_url: str, payload_bytes: int, ttl_s: float, *, record_key: RecordKey,
+                 host: str = "127.0.0.1", capacity_bytes: int = 0) -> None:
         super().__init__(payload_bytes)
         from mooncake.store import MooncakeDistributedStore
 
         self.ttl_s = ttl_s
+        self._record_key = record_key
         self._record_bytes = _EXPIRY.size + HEADER_BYTES + payload_bytes
         self._lock = threading.Lock()  # _stats and the breaker
         self._stats = TierStats(self.name, capacity_bytes, shared=True)
@@ -95,7 +99,7 @@ class MooncakeTier(KVTier):
                 self._stats.expirations += 1
             return self._miss()
         try:
-            payload = payload_of(memoryview(value)[_EXPIRY.size:], key, self.payload_bytes)
+            payload = payload_of(memoryview(value)[_EXPIRY.size:], key, self.payload_bytes, self._record_key)
         except CorruptRecord as exc:
             logger.warning("mooncake KV tier: dropped a corrupt block %s: %s", name[:24], exc)
             self._remove(name)
@@ -116,7 +120,7 @@ class MooncakeTier(KVTier):
         record = bytearray(self._record_bytes)
         view = memoryview(record)
         fill(view[_EXPIRY.size + HEADER_BYTES:])
-        write_header(view[_EXPIRY.size:], key, self.payload_bytes)
+        write_header(view[_EXPIRY.size:], key, self.payload_bytes, self._record_key)
         _EXPIRY.pack_into(record, 0, time.time() + self.ttl_s)
         try:
             rc = self._call(self._replace, name, record)

@@ -3,11 +3,13 @@
     put(key, fill) ─▶ record = header | payload ─▶ queue (≤ max_pending) ─▶ writer thread:
                                                    SET <prefix><hex key> <record> PX ttl_ms, ≤ 16 per pipeline
     contains(keys) ─▶ one pipeline of EXISTS, one per key
-    get(key)       ─▶ GET, then the record's header and checksum are checked
+    get(key)       ─▶ GET, then the record's header and MAC are checked
 
-* **Framing.** A value is a `records` frame (header naming the key, CRC-32 over key and payload):
-  a torn, altered or misplaced value (another key's record under this name) reads as a miss,
-  counted `corrupt`, and is deleted. Redis is not trusted with integrity.
+* **Framing.** A value is a `records` frame (header naming the key, a MAC over key and payload
+  under `record_key`): a torn, altered, forged or misplaced value (another key's record under this
+  name, or one signed under another cluster secret) reads as a miss, counted `corrupt`, and is
+  deleted. Redis is trusted with neither integrity nor authenticity: its password is one more
+  secret every client holds.
 * **TTL.** Every SET carries `PX ttl_ms`, so no block outlives `ttl_s` after its last write. A
   put of a key already there overwrites it and restarts its TTL (no EXISTS first: one round
   trip, not two). GET does not extend a TTL.
@@ -45,7 +47,7 @@ from redis.retry import Retry
 
 from kvbaton.kv.store.base import KVTier, PayloadFiller, PayloadSink, TierStats
 from kvbaton.kv.store.keys import key_text
-from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, payload_of, write_header
+from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, RecordKey, payload_of, write_header
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +70,14 @@ class RedisTier(KVTier):
 
     name = "redis"
 
-    def __init__(self, url: str, payload_bytes: int, ttl_s: float, *, prefix: str = "kvb:kv:",
+    def __init__(self, url: str, payload_bytes: int, ttl_s: float, *, record_key: RecordKey, prefix: str = "kvb:kv:",
                  timeout_s: float = 0.25, retry_after_s: float = 2.0, max_pending: int = 256,
                  capacity_bytes: int = 0) -> None:
         super().__init__(payload_bytes)
         if payload_bytes <= 0 or ttl_s <= 0 or timeout_s <= 0 or retry_after_s < 0 or max_pending < 1:
             raise ValueError("RedisTier needs payload_bytes, ttl_s, timeout_s and max_pending > 0, retry_after_s >= 0")
         self._prefix = prefix
+        self._record_key = record_key
         self._ttl_ms = max(1, round(ttl_s * 1000))
         self._record_bytes = HEADER_BYTES + payload_bytes
         self._max_blocks = capacity_bytes // self._record_bytes if capacity_bytes > 0 else None
@@ -121,7 +124,7 @@ class RedisTier(KVTier):
         if not isinstance(value, bytes):  # None: absent or expired
             return self._miss()
         try:
-            payload = payload_of(value, key, self.payload_bytes)
+            payload = payload_of(value, key, self.payload_bytes, self._record_key)
         except CorruptRecord as exc:
             self._drop_corrupt(name, exc)
             return False
@@ -140,7 +143,7 @@ class RedisTier(KVTier):
         record = bytearray(self._record_bytes)
         view = memoryview(record)
         fill(view[HEADER_BYTES:])
-        write_header(view, key, self.payload_bytes)
+        write_header(view, key, self.payload_bytes, self._record_key)
         with self._wake:
             if self._closing or len(self._queue) >= self._max_pending:
                 accepted = False

@@ -3,14 +3,16 @@ conversation's prefix survives a server restart, an eviction or a move to anothe
 secret, and is loaded instead of recomputed (no torch here: the server's frontend handles these files).
 
     magic (8) | version (4, LE) | header length (4, LE) | header (msgpack SessionHeader)
-    | one record per full block of the tokens, in order (`records.py` framing: key, CRC-32, payload)
+    | one record per full block of the tokens, in order (`records.py` framing: MAC, key, payload)
     | HMAC-SHA256 over everything before it, under a key derived from the cluster secret
 
 Why signed: a restored block is served to every request whose prompt starts with those tokens, so a
 forged file would poison other users' answers. The MAC is checked before anything else is parsed, and
 each record's key is recomputed from the header's tokens (and salt), so a file can only hold the KV of the
 tokens it names, made by a cluster that knows the secret. Files move between servers that share
-KVBATON_CLUSTER_SECRET; without one, a server makes a fresh secret per run.
+KVBATON_CLUSTER_SECRET; without one, a server makes a fresh secret per run. The records inside keep the tiers'
+framing, signed under the store's record key of the same secret (redundant under the file's MAC, but one format).
+Format 2: that framing changed (format 3 of `records.py`); a format-1 file is refused, naming its format.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from kvbaton.kv.hashing import chained_block_hashes, salted_root
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.store.base import KVTier, PayloadFiller, PayloadSink
 from kvbaton.kv.store.keys import StoreKeys
-from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, payload_of, write_header
+from kvbaton.kv.store.records import HEADER_BYTES, CorruptRecord, RecordKey, payload_of, write_header
 
 MAGIC = b"KVBSESS\x00"
-VERSION = 1
+VERSION = 2
 _PREAMBLE = struct.Struct("<8sII")
 MAC_BYTES = 32
 MAX_HEADER_BYTES = 16 * 2**20  # token ids of the longest context, with room to spare
@@ -83,6 +85,7 @@ def export_session(tiers: Sequence[KVTier], keys: StoreKeys, layout: KVLayout, t
                            f"{layout.block_size}, so there is no KV to save")
     header = msgspec.msgpack.encode(SessionHeader(keys.namespace, layout, token_ids, cache_salt))
     record_bytes = HEADER_BYTES + layout.bytes_per_block
+    record_key = RecordKey.of_secret(secret)
     out = bytearray(_PREAMBLE.size + len(header) + len(block_keys) * record_bytes + MAC_BYTES)
     _PREAMBLE.pack_into(out, 0, MAGIC, VERSION, len(header))
     out[_PREAMBLE.size:_PREAMBLE.size + len(header)] = header
@@ -93,7 +96,7 @@ def export_session(tiers: Sequence[KVTier], keys: StoreKeys, layout: KVLayout, t
         if not any(tier.get(key, _copy_into(record[HEADER_BYTES:])) for tier in tiers):
             raise SessionError(f"block {i} of {len(block_keys)} of this prompt is in no shared KV tier (evicted, "
                                "or never computed); send the prompt again and save right after")
-        write_header(record, key, layout.bytes_per_block)
+        write_header(record, key, layout.bytes_per_block, record_key)
     view[-MAC_BYTES:] = hmac.digest(_mac_key(secret), view[:-MAC_BYTES], "sha256")
     return bytes(out)
 
@@ -132,9 +135,10 @@ def read_session(data: bytes | memoryview, keys: StoreKeys, layout: KVLayout, se
     if len(body) != len(block_keys) * record_bytes:
         raise SessionError(f"the session file holds {len(body)} bytes of blocks where its {len(header.token_ids)} "
                            f"tokens need {len(block_keys) * record_bytes}")
+    record_key = RecordKey.of_secret(secret)
     try:
-        payloads = [payload_of(body[i * record_bytes:(i + 1) * record_bytes], key, layout.bytes_per_block)
-                    for i, key in enumerate(block_keys)]
+        payloads = [payload_of(body[i * record_bytes:(i + 1) * record_bytes], key, layout.bytes_per_block,
+                               record_key) for i, key in enumerate(block_keys)]
     except CorruptRecord as exc:
         raise SessionError(f"a block of the session file does not match its tokens: {exc}") from None
     return Session(header, payloads)

@@ -22,10 +22,11 @@ import pytest
 from kvbaton.kv.store import disk_tier
 from kvbaton.kv.store.disk_tier import QUEUE_RECORDS, DiskTier
 from kvbaton.kv.store.keys import KEY_BYTES, key_text
-from kvbaton.kv.store.records import HEADER_BYTES
+from kvbaton.kv.store.records import HEADER_BYTES, RecordKey
 
 PAYLOAD = 4096
 RECORD = HEADER_BYTES + PAYLOAD
+RECORD_KEY = RecordKey.of_secret(b"disk-tier-test-secret-0123456789")
 MakeTier = Callable[..., DiskTier]
 
 
@@ -77,7 +78,7 @@ def make(tmp_path: Path) -> Iterator[MakeTier]:
     tiers: list[DiskTier] = []
 
     def make_tier(blocks: float = 16, ttl_s: float = 60.0, directory: Path | None = None) -> DiskTier:
-        tier = DiskTier(directory or tmp_path / "l3", PAYLOAD, int(blocks * RECORD), ttl_s)
+        tier = DiskTier(directory or tmp_path / "l3", PAYLOAD, int(blocks * RECORD), ttl_s, record_key=RECORD_KEY)
         tiers.append(tier)
         return tier
 
@@ -100,14 +101,14 @@ def test_one_tier_per_directory_and_only_a_private_one(make: MakeTier, tmp_path:
     records served to every matching prompt."""
     tier = make()
     with pytest.raises(RuntimeError, match="in use by another DiskTier"):
-        DiskTier(tier.directory, PAYLOAD, 16 * RECORD, 60.0)
+        DiskTier(tier.directory, PAYLOAD, 16 * RECORD, 60.0, record_key=RECORD_KEY)
     tier.close()
     make(directory=tier.directory).close()
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o700)
     shared.chmod(0o777)
     with pytest.raises(PermissionError, match="no one else may write"):
-        DiskTier(shared, PAYLOAD, 16 * RECORD, 60.0)
+        DiskTier(shared, PAYLOAD, 16 * RECORD, 60.0, record_key=RECORD_KEY)
 
 
 def test_a_planted_temp_name_is_never_written_through(make: MakeTier, tmp_path: Path) -> None:
@@ -251,10 +252,11 @@ _FULL_DISK = textwrap.dedent("""
     import json, resource, signal, sys, time
     from kvbaton.kv.store import disk_tier
     from kvbaton.kv.store.keys import KEY_BYTES
+    from kvbaton.kv.store.records import RecordKey
     disk_tier._FULL_BACKOFF_S = 0.3
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    tier = disk_tier.DiskTier(sys.argv[1], 4096, 1 << 20, 60.0)
+    tier = disk_tier.DiskTier(sys.argv[1], 4096, 1 << 20, 60.0, record_key=RecordKey.of_secret(bytes(16)))
     fill = lambda view: view.__setitem__(slice(None), bytes([7]) * len(view))
     key = lambda i: bytes([i]) * KEY_BYTES
     resource.setrlimit(resource.RLIMIT_FSIZE, (1024, hard))

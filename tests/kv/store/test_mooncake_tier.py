@@ -15,10 +15,12 @@ import pytest
 from kvbaton.kv.store.keys import KEY_BYTES
 from kvbaton.kv.store.mooncake_store import start_mooncake_store
 from kvbaton.kv.store.mooncake_tier import RETRY_AFTER_S, MooncakeTier
+from kvbaton.kv.store.records import RecordKey
 from tests.support.procs import listening_addresses
 from tests.support.wait import wait_until
 
 PAYLOAD = 64 * 1024
+RECORD_KEY = RecordKey.of_secret(b"mooncake-tier-test-secret-012345")
 
 
 def key(i: int) -> bytes:
@@ -47,7 +49,7 @@ def store():
 
 
 def tier_of(store, ttl_s: float = 60.0) -> MooncakeTier:
-    return MooncakeTier(store.master, store.metadata_url, PAYLOAD, ttl_s)
+    return MooncakeTier(store.master, store.metadata_url, PAYLOAD, ttl_s, record_key=RECORD_KEY)
 
 
 def test_a_killed_store_costs_misses_and_opens_the_breaker(store, caplog):

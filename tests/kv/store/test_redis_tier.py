@@ -15,6 +15,7 @@ import redis
 
 from kvbaton.kv.redis_server import RedisServer, redis_server_binary, start_redis_server
 from kvbaton.kv.store.keys import KEY_BYTES, key_text
+from kvbaton.kv.store.records import RecordKey
 from kvbaton.kv.store.redis_tier import RedisTier
 
 # NOTE: no skip: scripts/setup.sh installs redis-server, so its absence is a set-up failure to see.
@@ -22,6 +23,7 @@ assert redis_server_binary() is not None, "redis-server is not installed (script
 
 PAYLOAD = 4096
 PREFIX = "kvb:kv:"
+RECORD_KEY = RecordKey.of_secret(b"redis-tier-test-secret-012345678")
 
 
 @pytest.fixture
@@ -30,7 +32,7 @@ def tiers():
     made: list[RedisTier] = []
 
     def make(url: str, payload_bytes: int = PAYLOAD, ttl_s: float = 30.0, **options) -> RedisTier:
-        made.append(RedisTier(url, payload_bytes, ttl_s, **options))
+        made.append(RedisTier(url, payload_bytes, ttl_s, record_key=RECORD_KEY, **options))
         return made[-1]
 
     yield make

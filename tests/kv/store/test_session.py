@@ -12,6 +12,7 @@ import pytest
 
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.store.keys import StoreKeys
+from kvbaton.kv.store.records import RecordKey
 from kvbaton.kv.store.redis_tier import RedisTier
 from kvbaton.kv.store.session import (
     MAC_BYTES,
@@ -78,7 +79,7 @@ def test_a_session_round_trips_into_another_store(arena, salt):
 
 def test_a_session_goes_into_every_shared_tier(arena, server):
     source, shm = arena(), arena()
-    redis_tier = RedisTier(server.url, PAYLOAD, ttl_s=60.0)
+    redis_tier = RedisTier(server.url, PAYLOAD, ttl_s=60.0, record_key=RecordKey.of_secret(SECRET))  # the server's
     try:
         block_keys = fill(source)
         session = read_session(export_session([source], KEYS, LAYOUT, TOKENS, None, SECRET), KEYS, LAYOUT, SECRET,

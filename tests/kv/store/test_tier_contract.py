@@ -15,9 +15,10 @@ import hashlib
 import os
 import random
 import secrets
-import shutil
+import struct
 import threading
 import time
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -26,14 +27,15 @@ import pytest
 
 from kvbaton.kv.store.base import KVTier
 from kvbaton.kv.store.keys import KEY_BYTES, key_text
-from kvbaton.kv.store.records import HEADER_BYTES
+from kvbaton.kv.store.records import HEADER_BYTES, MAC_BYTES, RecordKey
 
 PAYLOAD = 4096
 RECORD = HEADER_BYTES + PAYLOAD
 TIERS = ["shm", "disk", "redis", "mooncake"]
-# Tiers that frame each block as a `records` record (header naming the key, CRC-32): shm keeps blocks in memory
-# that only this host's workers map, with no framing and no checksum, so nothing there can be a corrupt record.
+# Tiers that frame each block as a `records` record (header naming the key, MAC): shm keeps blocks in memory that
+# only this host's workers map, with no framing and no MAC, so nothing there can be a corrupt record.
 RECORD_TIERS = ["disk", "redis", "mooncake"]
+RECORD_KEY = RecordKey.of_secret(b"tier-contract-test-secret-012345")  # a deployment's cluster secret
 
 # ---- where the tiers differ --------------------------------------------------------------------------------------
 
@@ -86,30 +88,71 @@ def read(tier: KVTier, key: bytes) -> bytes | None:
     return out[0] if tier.get(key, lambda view: out.append(bytes(view))) else None
 
 
+# ---- an attacker's records: the format is public (records.py), the cluster secret is not --------------------------
+
+MAC_FIELD = slice(8, 8 + MAC_BYTES)  # magic (4) | version (1) | reserved (3) | MAC | key | length | payload
+SIGNED = slice(8 + MAC_BYTES, None)  # key, length, payload
+FORMAT_2 = struct.Struct(f"<4sB3x{KEY_BYTES}sQI4x")  # before: magic | version | key | length | CRC-32 | pad
+
+
+def crc(key: bytes, data: bytes) -> int:
+    return zlib.crc32(data, zlib.crc32(key))
+
+
+def with_mac(record: bytes, evil: bytes, mac: Callable[[bytearray], bytes]) -> bytes:
+    forged = bytearray(record[:HEADER_BYTES] + evil)
+    forged[MAC_FIELD] = mac(forged)
+    return bytes(forged)
+
+
+# how to turn a genuine record of `key` into one holding `evil`, without the secret
+FORGERIES: dict[str, Callable[[bytes, bytes, bytes], bytes]] = {
+    # what every record tier served before (format 2): the checksum is anyone's to compute
+    "format 2, CRC-32 recomputed": lambda record, key, evil: FORMAT_2.pack(b"KVBK", 2, key, PAYLOAD,
+                                                                           crc(key, evil)) + evil,
+    "genuine MAC kept": lambda record, key, evil: with_mac(record, evil, lambda r: r[MAC_FIELD]),
+    "CRC-32 in the MAC field": lambda record, key, evil: with_mac(
+        record, evil, lambda r: crc(key, evil).to_bytes(MAC_BYTES, "little")),
+    "HMAC under a guessed secret": lambda record, key, evil: with_mac(
+        record, evil, lambda r: RecordKey.of_secret(b"guessed-secret-0123456789abcdef").mac(memoryview(r)[SIGNED])),
+}
+
+
 # ---- the tiers, and their storage as a test sees it ------------------------------------------------------------
 
 
 class Backend(ABC):
-    """Where a tier keeps its blocks: open a tier on it (again), and reach the stored records behind its back."""
+    """Where a tier keeps its blocks: open a tier on it (again), and reach the stored records behind its back, as
+    anyone who may write the storage can (files, a redis client, a Mooncake client), never through the tier."""
 
     def __init__(self, request: pytest.FixtureRequest, tmp_path: Path) -> None:
         self.request, self.tmp_path = request, tmp_path
 
     @abstractmethod
-    def open(self, ttl_s: float, capacity_blocks: int) -> KVTier:
-        """A tier over this storage (what an earlier one stored is there)."""
+    def open(self, ttl_s: float, capacity_blocks: int, record_key: RecordKey) -> KVTier:
+        """A tier over this storage (what an earlier one stored is there), signing records under `record_key`."""
 
     @abstractmethod
     def holds(self, tier: KVTier, key: bytes) -> bool:
         """The storage still has a block under `key`'s name (expired or not)."""
 
+    def stored(self, tier: KVTier, key: bytes) -> bytes:
+        """The value stored under `key`'s name: its record, after whatever the tier keeps in front of it."""
+        raise NotImplementedError(f"{type(self).__name__} stores no records")
+
+    def plant(self, tier: KVTier, key: bytes, value: bytes) -> None:
+        """Store `value` under `key`'s name, replacing what is there."""
+        raise NotImplementedError(f"{type(self).__name__} stores no records")
+
     def flip_last_byte(self, tier: KVTier, key: bytes) -> None:
         """Flip the last byte (a payload byte) of `key`'s stored record."""
-        raise NotImplementedError(f"{type(self).__name__} stores no records")
+        value = bytearray(self.stored(tier, key))
+        value[-1] ^= 0x01
+        self.plant(tier, key, bytes(value))
 
     def copy_record(self, tier: KVTier, src: bytes, dst: bytes) -> None:
         """Store `src`'s record under `dst`'s name."""
-        raise NotImplementedError(f"{type(self).__name__} stores no records")
+        self.plant(tier, dst, self.stored(tier, src))
 
     def check(self, tier: KVTier) -> None:
         """The tier's invariants (bookkeeping against its storage)."""
@@ -126,7 +169,7 @@ class ShmBackend(Backend):
         super().__init__(request, tmp_path)
         self.name = f"contract-{os.getpid()}-{secrets.token_hex(4)}"
 
-    def open(self, ttl_s: float, capacity_blocks: int) -> KVTier:
+    def open(self, ttl_s: float, capacity_blocks: int, record_key: RecordKey) -> KVTier:
         from kvbaton.kv.store.shm_tier import ShmTier
 
         return ShmTier(self.name, PAYLOAD, capacity_blocks * PAYLOAD, ttl_s)
@@ -148,10 +191,10 @@ class DiskBackend(Backend):
         super().__init__(request, tmp_path)
         self.directory = tmp_path / "l3"
 
-    def open(self, ttl_s: float, capacity_blocks: int) -> KVTier:
+    def open(self, ttl_s: float, capacity_blocks: int, record_key: RecordKey) -> KVTier:
         from kvbaton.kv.store.disk_tier import DiskTier
 
-        return DiskTier(self.directory, PAYLOAD, capacity_blocks * RECORD, ttl_s)
+        return DiskTier(self.directory, PAYLOAD, capacity_blocks * RECORD, ttl_s, record_key=record_key)
 
     def path(self, key: bytes) -> Path:
         return self.directory / key_text(key)[:2] / f"{key_text(key)}.kvb"
@@ -159,14 +202,12 @@ class DiskBackend(Backend):
     def holds(self, tier, key: bytes) -> bool:
         return self.path(key).exists()
 
-    def flip_last_byte(self, tier, key: bytes) -> None:
-        data = bytearray(self.path(key).read_bytes())
-        data[-1] ^= 0x01
-        self.path(key).write_bytes(data)
+    def stored(self, tier, key: bytes) -> bytes:
+        return self.path(key).read_bytes()
 
-    def copy_record(self, tier, src: bytes, dst: bytes) -> None:
-        self.path(dst).parent.mkdir(exist_ok=True)
-        shutil.copyfile(self.path(src), self.path(dst))
+    def plant(self, tier, key: bytes, value: bytes) -> None:
+        self.path(key).parent.mkdir(exist_ok=True)
+        self.path(key).write_bytes(value)
 
     def check(self, tier) -> None:
         super().check(tier)
@@ -186,22 +227,19 @@ class RedisBackend(Backend):
         self.url = request.getfixturevalue("server").url  # the module's private redis-server (tests/kv/conftest.py)
         self.client = redis.Redis.from_url(self.url)
 
-    def open(self, ttl_s: float, capacity_blocks: int) -> KVTier:
+    def open(self, ttl_s: float, capacity_blocks: int, record_key: RecordKey) -> KVTier:
         from kvbaton.kv.store.redis_tier import RedisTier
 
-        return RedisTier(self.url, PAYLOAD, ttl_s, max_pending=1024)
+        return RedisTier(self.url, PAYLOAD, ttl_s, record_key=record_key, max_pending=1024)
 
     def holds(self, tier, key: bytes) -> bool:
         return bool(self.client.exists(self.PREFIX + key_text(key)))
 
-    def flip_last_byte(self, tier, key: bytes) -> None:
-        name = self.PREFIX + key_text(key)
-        value = bytearray(self.client.get(name))
-        value[-1] ^= 0x01
-        self.client.set(name, bytes(value))
+    def stored(self, tier, key: bytes) -> bytes:
+        return self.client.get(self.PREFIX + key_text(key))
 
-    def copy_record(self, tier, src: bytes, dst: bytes) -> None:
-        self.client.set(self.PREFIX + key_text(dst), self.client.get(self.PREFIX + key_text(src)))
+    def plant(self, tier, key: bytes, value: bytes) -> None:
+        self.client.set(self.PREFIX + key_text(key), value)
 
     def cleanup(self) -> None:
         self.client.close()
@@ -212,10 +250,10 @@ class MooncakeBackend(Backend):
         super().__init__(request, tmp_path)
         self.store = request.getfixturevalue("mooncake_store")
 
-    def open(self, ttl_s: float, capacity_blocks: int) -> KVTier:
+    def open(self, ttl_s: float, capacity_blocks: int, record_key: RecordKey) -> KVTier:
         from kvbaton.kv.store.mooncake_tier import MooncakeTier
 
-        return MooncakeTier(self.store.master, self.store.metadata_url, PAYLOAD, ttl_s)
+        return MooncakeTier(self.store.master, self.store.metadata_url, PAYLOAD, ttl_s, record_key=record_key)
 
     @staticmethod
     def name(key: bytes) -> str:
@@ -226,14 +264,12 @@ class MooncakeBackend(Backend):
     def holds(self, tier, key: bytes) -> bool:
         return tier._client.is_exist(self.name(key)) == 1
 
-    def flip_last_byte(self, tier, key: bytes) -> None:
-        value = bytearray(tier._client.get(self.name(key)))
-        value[-1] ^= 0xFF
-        tier._client.remove(self.name(key), True)
-        assert tier._client.put(self.name(key), bytes(value)) == 0
+    def stored(self, tier, key: bytes) -> bytes:
+        return bytes(tier._client.get(self.name(key)))
 
-    def copy_record(self, tier, src: bytes, dst: bytes) -> None:
-        assert tier._client.put(self.name(dst), tier._client.get(self.name(src))) == 0
+    def plant(self, tier, key: bytes, value: bytes) -> None:
+        tier._client.remove(self.name(key), True)  # a put does not replace an object
+        assert tier._client.put(self.name(key), value) == 0
 
 
 BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend, "disk": DiskBackend, "redis": RedisBackend,
@@ -242,23 +278,29 @@ BACKENDS: dict[str, type[Backend]] = {"shm": ShmBackend, "disk": DiskBackend, "r
 
 class TierUnderTest:
     """One tier as a test drives it: `tier` (the open one), `key(i)` (keys of this test alone), `reopen()` (close
-    it, open another over the same storage), and the storage behind its back (`holds`, `flip_last_byte`,
-    `copy_record`)."""
+    it, open another over the same storage, under the same record key or another), and the storage behind its back
+    (`holds`, `stored`, `plant`, `flip_last_byte`, `copy_record`)."""
 
     def __init__(self, backend: Backend, ttl_s: float, capacity_blocks: int, namespace: str) -> None:
         self.backend, self.ttl_s, self.capacity_blocks, self.namespace = backend, ttl_s, capacity_blocks, namespace
-        self.tier = backend.open(ttl_s, capacity_blocks)
+        self.tier = backend.open(ttl_s, capacity_blocks, RECORD_KEY)
 
     def key(self, i: int) -> bytes:
         return hashlib.blake2b(f"{self.namespace}:{i}".encode(), digest_size=KEY_BYTES).digest()
 
-    def reopen(self) -> KVTier:
+    def reopen(self, record_key: RecordKey = RECORD_KEY) -> KVTier:
         self.tier.close()
-        self.tier = self.backend.open(self.ttl_s, self.capacity_blocks)
+        self.tier = self.backend.open(self.ttl_s, self.capacity_blocks, record_key)
         return self.tier
 
     def holds(self, key: bytes) -> bool:
         return self.backend.holds(self.tier, key)
+
+    def stored(self, key: bytes) -> bytes:
+        return self.backend.stored(self.tier, key)
+
+    def plant(self, key: bytes, value: bytes) -> None:
+        self.backend.plant(self.tier, key, value)
 
     def flip_last_byte(self, key: bytes) -> None:
         self.backend.flip_last_byte(self.tier, key)
@@ -452,6 +494,45 @@ def test_a_record_under_another_keys_name_is_a_miss(make_tier, name):
     assert read(tier, b) is None
     assert read(tier, a) == payload(0)
     assert tier.stats().corrupt == 1 and not t.holds(b)
+    t.check()
+
+
+@pytest.mark.parametrize("name", RECORD_TIERS)
+def test_a_forged_record_is_a_miss_counted_and_dropped(make_tier, name):
+    """Whoever may write the storage (a redis client with the password, a host reaching the Mooncake store, the disk
+    directory's owner) plants KV under a store key they computed, straight into the storage: every forgery is a
+    miss, counted corrupt and dropped; the genuine block, written again, is a hit."""
+    t = make_tier(name)
+    key, evil = t.key(0), payload(666)
+    for n, (how, forge) in enumerate(FORGERIES.items(), start=1):
+        assert t.tier.put(key, filler(payload(0)))
+        t.tier.flush()
+        value = t.stored(key)
+        front, record = value[:-RECORD], value[-RECORD:]  # front: what the tier keeps before it (mooncake's expiry)
+        t.plant(key, front + forge(record, key, evil))
+        assert read(t.tier, key) is None, how
+        assert t.tier.stats().corrupt == n and not t.holds(key), how
+    assert t.tier.put(key, filler(payload(0)))
+    t.tier.flush()
+    assert read(t.tier, key) == payload(0)
+    s = t.tier.stats()
+    assert (s.hits, s.misses, s.corrupt, s.errors) == (1, len(FORGERIES), len(FORGERIES), 0)
+    t.check()
+
+
+@pytest.mark.parametrize("name", RECORD_TIERS)
+def test_blocks_signed_under_another_cluster_secret_are_misses(make_tier, name):
+    """A process on the same store without the deployment's KVBATON_CLUSTER_SECRET (another cluster, a replica
+    started without it): the blocks look present, none verifies; each read is a miss, counted corrupt."""
+    t = make_tier(name)
+    assert all(t.tier.put(t.key(i), filler(payload(i))) for i in range(2))
+    t.tier.flush()
+    other = t.reopen(RecordKey.of_secret(b"another-cluster-secret-012345678"))
+    assert other.contains([t.key(0), t.key(1)]) == 2  # the names and sizes look right: only the MAC tells
+    assert read(other, t.key(0)) is None
+    s = other.stats()
+    assert (s.corrupt, s.misses, s.hits) == (1, 1, 0)
+    assert t.holds(t.key(1))  # (a genuine record under the right secret is a hit: the test above)
     t.check()
 
 
