@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig
+from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, KVStoreConfig
 from kvbaton.disagg.launcher import Launcher
 from kvbaton.disagg.policies import POLICIES
 from kvbaton.disagg.router import Router, RouterConfig
@@ -159,12 +159,25 @@ def check_group_exposure(spec: DeploymentSpec, host: str) -> None:
                           "otherwise serve on one node (127.0.0.1)")
 
 
+def check_store_exposure(store: KVStoreConfig, spec: DeploymentSpec) -> None:
+    """ConfigError for the mooncake store tier unless the operator allowed it: its master's HTTP metadata server and
+    every client's transfer engine listen on every interface whatever host they are given, and authenticate no
+    peer. Records are signed (`kv.store.records`), so nobody can plant KV; but anyone who reaches them can read
+    every block (the prompts' KV) or fill the store."""
+    if "mooncake" in store.tiers and not spec.allow_insecure_kv_transport:
+        raise ConfigError("refusing the mooncake KV store tier: its metadata server and transfer engines listen on "
+                          "every interface and authenticate no peer (anyone reaching them can read the stored KV). "
+                          "On a private, trusted network pass --allow-insecure-kv-transport; otherwise use the shm, "
+                          "disk or redis tiers")
+
+
 async def deploy(engine: EngineConfig, tokenizer: Tokenizer | Callable[[], Tokenizer], spec: DeploymentSpec,
                  secret: bytes | None = None) -> Deployment:
     """Start everything `spec` asks for and return once every worker has joined; on failure,
     whatever was started is stopped again before the error propagates. `tokenizer` may be a function that
     loads it: it then loads (in a thread) while the workers start."""
     secret = secret or cluster_secret()
+    check_store_exposure(engine.kv_store, spec)
     cleanups: list[Callable[[], None]] = []
     pool: WorkerPool | None = None
     try:

@@ -69,3 +69,14 @@ def test_a_deployment_refuses_it_before_any_worker_starts():
     with pytest.raises(ConfigError, match="on loopback too.*--allow-insecure-kv-transport"):
         DeploymentSpec(kv_transport="mooncake")
     assert DeploymentSpec(kv_transport="mooncake", allow_insecure_kv_transport=True).kv_transport == "mooncake"
+
+
+def test_a_deployment_refuses_the_mooncake_store_tier_without_consent():
+    from kvbaton.cluster.deploy import DeploymentSpec, check_store_exposure
+    from kvbaton.config import ConfigError, KVStoreConfig
+
+    store = KVStoreConfig(tiers=("shm", "mooncake"))
+    with pytest.raises(ConfigError, match="mooncake KV store tier.*every interface.*--allow-insecure-kv-transport"):
+        check_store_exposure(store, DeploymentSpec())
+    check_store_exposure(store, DeploymentSpec(allow_insecure_kv_transport=True))
+    check_store_exposure(KVStoreConfig(tiers=("shm", "disk", "redis")), DeploymentSpec())

@@ -41,7 +41,8 @@ def test_two_replicas_share_a_prefix_through_the_store(tier, default_model_dir):
     prompt = prompt_of(200, seed=zlib.crc32(tier.encode()))  # not hash(): salted per process, so not reproducible
     ref = hf_greedy(default_model_dir, [prompt], MAX_NEW)[0]
     with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--decode", "2", "--routing",
-                        "round_robin", "--kv-store", tier) as (base, proc):
+                        "round_robin", "--kv-store", tier,
+                        *(["--allow-insecure-kv-transport"] if tier == "mooncake" else [])) as (base, proc):
         first = complete(base, prompt)  # replica 0 computes it ...
         second = complete(base, prompt)  # ... replica 1 loads it
         for out in (first, second):
