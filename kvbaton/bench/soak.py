@@ -332,6 +332,20 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
+def private_mib(pid: int) -> float:
+    """Memory only `pid` holds (Private_Clean + Private_Dirty of /proc/PID/smaps_rollup), MiB.
+
+    NOTE: what a leak grows, unlike RSS: RSS also counts the pages a process touches of another's shared memory
+    (a 1P+1D decode worker reads KV from the prefill worker's 1 GiB shm pool, and its RSS climbs towards that
+    pool's size as it touches more of it, while no memory is allocated anywhere)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name.startswith("Private_"):
+            fields[name] = int(value.split()[0])
+    return (fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)) / 1024
+
+
 def open_fds(pid: int) -> int:
     """How many file descriptors `pid` holds open (entries of /proc/PID/fd)."""
     return len(os.listdir(f"/proc/{pid}/fd"))
@@ -342,19 +356,20 @@ MIB_PER_MB = 1e6 / 2**20
 
 @dataclass
 class ProcessTrace:
-    """RSS and open fds of named processes, sampled every `every_s` seconds on a thread during a soak.
+    """RSS, private memory and open fds of named processes, sampled every `every_s` seconds on a thread.
 
-    The RSS slope is a least-squares line through every sample: a leak shows as a steady climb,
-    while the allocator's ups and downs under load average out over a long enough run."""
+    A slope is a least-squares line through every sample: a leak shows as a steady climb, while the
+    allocator's ups and downs under load average out over a long enough run."""
 
     pids: dict[str, int]
     every_s: float = 5.0
-    samples: list[tuple[float, dict[str, float], dict[str, int]]] = field(default_factory=list)
+    samples: list[tuple[float, dict[str, float], dict[str, float], dict[str, int]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def sample(self) -> None:
         self.samples.append((time.monotonic(), {n: rss_mib(p) for n, p in self.pids.items()},
+                             {n: private_mib(p) for n, p in self.pids.items()},
                              {n: open_fds(p) for n, p in self.pids.items()}))
 
     def __enter__(self) -> ProcessTrace:
@@ -373,10 +388,10 @@ class ProcessTrace:
         self._thread.join()
         self.sample()
 
-    def rss_slope_mb_per_min(self, name: str) -> float:
-        """The least-squares slope of `name`'s RSS over the samples, in MB (10^6 bytes) per minute."""
+    def slope_mb_per_min(self, name: str, private: bool = False) -> float:
+        """The least-squares slope of `name`'s RSS (or private memory) over the samples, in MB (10^6 bytes) a minute."""
         t = [s[0] for s in self.samples]
-        y = [s[1][name] / MIB_PER_MB for s in self.samples]
+        y = [(s[2] if private else s[1])[name] / MIB_PER_MB for s in self.samples]
         if len(t) < 3:
             return float("nan")
         t_mean, y_mean = sum(t) / len(t), sum(y) / len(y)
@@ -384,7 +399,7 @@ class ProcessTrace:
         return 60.0 * sum((ti - t_mean) * (yi - y_mean) for ti, yi in zip(t, y)) / var
 
     def fds_range(self, name: str) -> tuple[int, int]:
-        fds = [s[2][name] for s in self.samples]
+        fds = [s[3][name] for s in self.samples]
         return min(fds), max(fds)
 
 
