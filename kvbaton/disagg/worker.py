@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -36,7 +37,7 @@ import zmq
 
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.disagg.heartbeat import HeartbeatThread
-from kvbaton.disagg.lifeline import exit_with_launcher, launcher_pid
+from kvbaton.disagg.lifeline import exit_with_launcher, launcher_pid, when_orphaned
 from kvbaton.disagg.messages import (
     AbortRequests,
     AddRequest,
@@ -61,6 +62,7 @@ from kvbaton.engine.core import EngineCore
 from kvbaton.engine.outputs import TransferFailure
 from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.engine.tokenizer import eos_token_ids
+from kvbaton.kv.store.shm_tier import arena_owner_pid, remove_arenas
 from kvbaton.models.registry import resolve_model
 from kvbaton.paths import cache_root
 from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
@@ -316,6 +318,16 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
         ctx.term()
 
 
+def remove_launchers_arena_when_orphaned(spec: WorkerSpec) -> None:
+    """The shm arena `kvbaton serve` names for its own workers (`serve-<its pid>-...`) goes with it: a SIGKILLed serve
+    removes nothing, so each of its workers removes the arena as the launcher's death takes it down (the first one
+    wins; the others' mappings stay valid until they exit). An arena the operator named is shared on purpose and
+    stays."""
+    name = spec.engine.kv_store.shm_name
+    if "shm" in spec.engine.kv_store.tiers and name is not None and arena_owner_pid(name) == launcher_pid():
+        when_orphaned(functools.partial(remove_arenas, name))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="kvbaton worker (prefill / decode / both)")
     parser.add_argument("--spec-json", default=os.environ.get(SPEC_ENV),
@@ -327,6 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.spec_json:
         parser.exit(2, f"kvbaton worker: no spec (set {SPEC_ENV} or pass --spec-json)\n")
     spec = msgspec.json.decode(args.spec_json.encode(), type=WorkerSpec)
+    if args.exit_with_parent:
+        remove_launchers_arena_when_orphaned(spec)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.name} %(levelname)s %(message)s")
     secret = os.environ.get(SECRET_ENV, "").encode()
     if not secret:

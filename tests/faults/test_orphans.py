@@ -7,6 +7,7 @@ dir) goes when the next `serve` starts (the janitor, `tests/faults/test_janitor.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import subprocess
@@ -56,8 +57,9 @@ def _kill_and_expect_no_orphans(proc: subprocess.Popen, expected_children: int) 
 
 
 @pytest.mark.parametrize("when", ["during the load", "while serving"])
-def test_a_killed_colocated_serve_leaves_no_worker(default_model_dir, when):
-    proc, base = _serve("--dtype", "float32", "--max-model-len", "1024")
+def test_a_killed_colocated_serve_leaves_no_worker_and_no_arena(default_model_dir, when):
+    """With an shm KV store: the arena serve named for itself goes too (its worker removes it as it exits)."""
+    proc, base = _serve("--dtype", "float32", "--max-model-len", "1024", "--kv-store", "shm")
     if when == "while serving":
         def healthy() -> bool:
             try:
@@ -66,7 +68,10 @@ def test_a_killed_colocated_serve_leaves_no_worker(default_model_dir, when):
                 return False
 
         wait_until(healthy, 240, interval_s=0.2, message="serve did not become healthy")
+        assert glob.glob(f"/dev/shm/kvb-store-serve-{proc.pid}-*"), "the worker made no arena"
     _kill_and_expect_no_orphans(proc, expected_children=1)
+    wait_until(lambda: not glob.glob(f"/dev/shm/kvb-store-serve-{proc.pid}-*"), 30, interval_s=0.2,
+               message="the killed serve's shm arena stayed")
 
 
 def test_a_killed_pd_serve_over_redis_leaves_no_process(tiny_llama):

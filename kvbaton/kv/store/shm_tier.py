@@ -93,6 +93,12 @@ def serve_arena_name() -> str:
     return f"serve-{os.getpid()}-{secrets.token_hex(3)}"
 
 
+def arena_owner_pid(name: str) -> int | None:
+    """The PID of the `kvbaton serve` that named arena `name` (`serve_arena_name`), or None for another name."""
+    match = re.fullmatch(r"serve-(\d+)-[0-9a-f]{6}", name)
+    return int(match.group(1)) if match else None
+
+
 _SERVE_ARENA = re.compile(r"kvb-store-serve-(\d+)-[0-9a-f]{6}-\d+")
 _HALF_MADE = re.compile(r"kvb-[\w.-]+-\d+\.(\d+)\.\d+\.tmp")  # `_create_arena`'s private name: its maker's PID
 
