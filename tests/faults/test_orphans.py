@@ -34,6 +34,16 @@ def _serve(*args: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def _wait_healthy(base: str) -> None:
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, 240, interval_s=0.2, message="serve did not become healthy")
+
+
 def _kill_and_expect_no_orphans(proc: subprocess.Popen, expected_children: int) -> None:
     started: set[int] = set()
 
@@ -61,13 +71,7 @@ def test_a_killed_colocated_serve_leaves_no_worker_and_no_arena(default_model_di
     """With an shm KV store: the arena serve named for itself goes too (its worker removes it as it exits)."""
     proc, base = _serve("--dtype", "float32", "--max-model-len", "1024", "--kv-store", "shm")
     if when == "while serving":
-        def healthy() -> bool:
-            try:
-                return httpx.get(f"{base}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(healthy, 240, interval_s=0.2, message="serve did not become healthy")
+        _wait_healthy(base)
         assert glob.glob(f"/dev/shm/kvb-store-serve-{proc.pid}-*"), "the worker made no arena"
     _kill_and_expect_no_orphans(proc, expected_children=1)
     wait_until(lambda: not glob.glob(f"/dev/shm/kvb-store-serve-{proc.pid}-*"), 30, interval_s=0.2,
@@ -141,5 +145,34 @@ def test_a_killed_launcher_takes_its_private_ray_head_along(when):
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+        for pid in _session(session) if session > 0 else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_killed_ray_serve_leaves_no_process(tiny_llama):
+    """`--backend ray` with its private head, 1P+1D, SIGKILLed once it serves: the head's session (the guard, raylet,
+    gcs_server, the worker actors) and both workers exit, and the head's temp dir goes."""
+    proc, base = _serve("--backend", "ray", "--model", str(tiny_llama), "--dtype", "float32", "--prefill", "1",
+                        "--decode", "1", "--block-size", "4", "--threads", "1")
+    session = -1
+    try:
+        _wait_healthy(base)
+        workers = [w["pid"] for w in httpx.get(f"{base}/workers", timeout=10).json()["workers"]]
+        guards = [p for p in child_pids(proc.pid)
+                  if b"kvbaton.cluster.guard" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(workers) == 2 and len(guards) == 1, (workers, guards)
+        session = guards[0]  # it leads the head's session
+        args = Path(f"/proc/{session}/cmdline").read_bytes().split(b"\0")
+        temp_dir = args[args.index(b"--remove") + 1].decode()
+        assert len(_session(session)) >= 3 and os.path.isdir(temp_dir)
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not _session(session) and not any(map(pid_alive, workers)) and not os.path.exists(temp_dir),
+                   60, interval_s=0.2, message=lambda: f"left: session {_session(session)}, workers "
+                   f"{[p for p in workers if pid_alive(p)]}, temp dir {os.path.exists(temp_dir)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
         for pid in _session(session) if session > 0 else []:
             os.kill(pid, signal.SIGKILL)
