@@ -122,20 +122,16 @@ def _session(sid: int) -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize("when", ["while it starts", "once it is up"])
-def test_a_killed_launcher_takes_its_private_ray_head_along(when):
-    """SIGKILL the process that started a private Ray head: the head's whole session (the guard, `ray start`,
-    gcs_server, raylet, ...) exits and its temp dir goes, while Ray starts and once it is up."""
+def test_a_launcher_killed_while_its_private_ray_head_starts_takes_it_along():
+    """SIGKILL the process that started a private Ray head while Ray starts: the head's whole session (the guard,
+    `ray start`, gcs_server, raylet, ...) exits and its temp dir goes. (Once it is up: the Ray serve test below.)"""
     parent = subprocess.Popen([sys.executable, "-c", _HEAD_PARENT], env=repo_python_env(), stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     temp_dir, session = parent.stdout.readline().strip(), -1
     try:
         [session] = wait_until(lambda: child_pids(parent.pid), 30, message="the guard did not start")
-        if when == "while it starts":
-            wait_until(lambda: child_pids(session), 30, message="the guard did not start `ray start`")
-        else:
-            assert parent.stdout.readline().strip() == "up"
+        wait_until(lambda: child_pids(session), 30, message="the guard did not start `ray start`")
         assert len(_session(session)) >= 2 and os.path.isdir(temp_dir)
         parent.kill()
         parent.wait()
