@@ -89,6 +89,34 @@ def abandoned_streams(base: str) -> str:
     return f"16 streamed n=16 chats abandoned: {pending} admission entries pending 10 s later; next request: {after}"
 
 
+def logprob_body(base: str, pid: int) -> str:
+    """One completion of 1,000 tokens x 20 logprobs, not streamed (21,000 entries to render, about what
+    --max-request-output-tokens admits at --max-model-len 1024): /health's worst wait while it runs, and the server
+    process's peak RSS over its RSS before."""
+    body = {"prompt": "Hi", "max_tokens": 1000, "logprobs": 20, "ignore_eos": True, "temperature": 1.0}
+    worst, peak, stop = [0.0], [0.0], threading.Event()
+    rss = (lambda: int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                            if line.startswith("VmRSS:")).split()[1]) / 1024)
+    before = rss()
+
+    def probe() -> None:
+        while not stop.is_set():
+            start = time.monotonic()
+            httpx.get(f"{base}/health", timeout=300)
+            worst[0], peak[0] = max(worst[0], time.monotonic() - start), max(peak[0], rss())
+            stop.wait(0.02)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    start = time.monotonic()
+    r = httpx.post(f"{base}{C}", json=body, timeout=600)
+    took = time.monotonic() - start
+    stop.set()
+    prober.join()
+    return (f"1,000 tokens x logprobs 20, whole: {r.status_code} in {took:.1f} s, {len(r.content) / 2**20:.1f} MiB; "
+            f"/health's worst wait {worst[0] * 1e3:.0f} ms; server RSS +{peak[0] - before:.0f} MiB at peak")
+
+
 def foreign_host(base: str) -> str:
     r = httpx.post(f"{base}{C}", json={"prompt": "Hi", "max_tokens": 1}, headers={"Host": "attacker.example"})
     return f"a completion named Host: attacker.example on a loopback server: {r.status_code}"
@@ -101,6 +129,8 @@ def main() -> None:
                               serve_args=["--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "1024"],
                               env=dict(os.environ), timeout_s=240)
         with Server(spec) as server:
+            assert server.pid is not None
+            print(logprob_body(server.base_url, server.pid), flush=True)
             for case in (tool_schemas, big_bodies, foreign_host, abandoned_streams):
                 print(case(server.base_url), flush=True)
 
