@@ -84,8 +84,9 @@ def test_arenas_of_a_gone_server_go_unless_mapped_and_the_rest_stays():
             tiers.pop(kind).close()  # unmapped; "mapped" stays mapped by this process
         paths["not-an-arena"].write_bytes(b"\0" * PAYLOAD)
         half_made.write_bytes(b"")
-        removed = sweep(temp_roots=[])
-        assert {paths["left"], half_made} <= set(removed)
+        sweep(temp_roots=[])
+        # NOTE: gone, not "in what this sweep removed": /dev/shm is the machine's, and a `serve` that another test
+        # starts meanwhile sweeps it too
         assert not paths["left"].exists() and not half_made.exists()
         assert all(paths[k].exists() for k in ("mapped", "live", "operator", "not-an-arena"))
     finally:
