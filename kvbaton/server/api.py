@@ -49,8 +49,9 @@ from kvbaton.server.tool_schemas import ToolSchemaCheck
 from kvbaton.server.tools import inspect_chat_template
 
 DISCONNECT_POLL_S = 0.5
-# A whole response rendering this many logprob entries and tokens or more is built off the event loop: 7-10 ms per
-# thousand entries on an AMX Xeon core (/tmp-free measurement in benchmarks/results/hardening.md), so ~15 ms here.
+# A whole response rendering this many logprob entries and tokens or more is built off the event loop: rendering and
+# serializing took 7-10 ms per thousand entries on an AMX Xeon core, so ~15 ms at the threshold (a smaller body
+# costs the loop less than the hop to a thread). The before/after: benchmarks/results/hardening.md.
 RENDER_OFF_LOOP_ENTRIES = 2_000
 
 
