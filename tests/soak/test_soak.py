@@ -25,6 +25,7 @@ import pytest
 
 from kvbaton.bench.soak import Kind, Outcome, SoakConfig, open_fds, private_mib, run_soak, stats, wait_idle, workers
 from tests.support.server import served
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +79,9 @@ def test_soak_mixed_load_leaves_the_server_as_it_was(layout: tuple[str, ...]) ->
                    for kind in Kind), context  # every kind was sent and answered (or left on purpose)
         now = workers(base)
         assert {w["name"]: w["pid"] for w in now} == worker_pids and all(w["healthy"] for w in now), now
-        assert all(after[name][1] <= before[name][1] for name in pids), f"open fds grew: {before} -> {after}"
+        # NOTE: polled: a connection the soak's last requests (or /stats) opened may be closing still, one fd for a
+        # moment; a leaked fd stays
+        wait_until(lambda: all(open_fds(pid) <= before[name][1] for name, pid in pids.items()), 15, interval_s=0.2,
+                   message=lambda: f"open fds grew: {before} -> {at_idle(pids)}")
         bound = {name: GROWTH_BOUND_MIB["server" if name == "server" else "worker"] for name in growth}
         assert all(growth[name] < bound[name] for name in growth), f"private memory grew {growth} (bounds {bound})"
