@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,28 +26,54 @@ from common.servers import Server, free_port, kvbaton_server
 CHAT, C = "/v1/chat/completions", "/v1/completions"
 
 
-def tool_schemas(base: str) -> str:
-    """24 tools of 9,800 empty sub-schemas each (a 944 KB body): its answer, and /health's worst wait meanwhile."""
-    tool = {"type": "object", "properties": {"a": {"anyOf": [{}] * 9800}}}
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-            "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": tool}} for i in range(24)]}
-    worst, stop = [0.0], threading.Event()
+@dataclass
+class Probed:
+    """A request sent while /health is polled on a thread: its answer and time, /health's worst wait, and the
+    peak RSS of process `pid` (MiB) over its RSS before, when a pid is given."""
+
+    response: httpx.Response
+    took_s: float
+    worst_wait_s: float
+    rss_growth_mib: float
+
+
+def rss_mib(pid: int) -> float:
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def probed(base: str, path: str, body: dict, pid: int | None = None, every_s: float = 0.05) -> Probed:
+    worst, before = [0.0], rss_mib(pid) if pid else 0.0
+    peak, stop = [before], threading.Event()
 
     def probe() -> None:
         while not stop.is_set():
             start = time.monotonic()
             httpx.get(f"{base}/health", timeout=300)
             worst[0] = max(worst[0], time.monotonic() - start)
-            stop.wait(0.05)
+            peak[0] = max(peak[0], rss_mib(pid)) if pid else 0.0
+            stop.wait(every_s)
 
     prober = threading.Thread(target=probe)
     prober.start()
     start = time.monotonic()
-    r = httpx.post(f"{base}{CHAT}", json=body, timeout=300)
-    took = time.monotonic() - start
-    stop.set()
-    prober.join()
-    return f"tools x24 of 9,800 sub-schemas: {r.status_code} in {took:.2f} s; /health's worst wait {worst[0]:.2f} s"
+    try:
+        response = httpx.post(f"{base}{path}", json=body, timeout=600)
+    finally:
+        took = time.monotonic() - start
+        stop.set()
+        prober.join()
+    return Probed(response, took, worst[0], peak[0] - before)
+
+
+def tool_schemas(base: str) -> str:
+    """24 tools of 9,800 empty sub-schemas each (a 944 KB body): its answer, and /health's worst wait meanwhile."""
+    tool = {"type": "object", "properties": {"a": {"anyOf": [{}] * 9800}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": tool}} for i in range(24)]}
+    p = probed(base, CHAT, body)
+    return (f"tools x24 of 9,800 sub-schemas: {p.response.status_code} in {p.took_s:.2f} s; "
+            f"/health's worst wait {p.worst_wait_s:.2f} s")
 
 
 def big_bodies(base: str) -> str:
@@ -94,27 +121,10 @@ def logprob_body(base: str, pid: int) -> str:
     --max-request-output-tokens admits at --max-model-len 1024): /health's worst wait while it runs, and the server
     process's peak RSS over its RSS before."""
     body = {"prompt": "Hi", "max_tokens": 1000, "logprobs": 20, "ignore_eos": True, "temperature": 1.0}
-    worst, peak, stop = [0.0], [0.0], threading.Event()
-    rss = (lambda: int(next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                            if line.startswith("VmRSS:")).split()[1]) / 1024)
-    before = rss()
-
-    def probe() -> None:
-        while not stop.is_set():
-            start = time.monotonic()
-            httpx.get(f"{base}/health", timeout=300)
-            worst[0], peak[0] = max(worst[0], time.monotonic() - start), max(peak[0], rss())
-            stop.wait(0.02)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
-    start = time.monotonic()
-    r = httpx.post(f"{base}{C}", json=body, timeout=600)
-    took = time.monotonic() - start
-    stop.set()
-    prober.join()
-    return (f"1,000 tokens x logprobs 20, whole: {r.status_code} in {took:.1f} s, {len(r.content) / 2**20:.1f} MiB; "
-            f"/health's worst wait {worst[0] * 1e3:.0f} ms; server RSS +{peak[0] - before:.0f} MiB at peak")
+    p = probed(base, C, body, pid, every_s=0.02)
+    return (f"1,000 tokens x logprobs 20, whole: {p.response.status_code} in {p.took_s:.1f} s, "
+            f"{len(p.response.content) / 2**20:.1f} MiB; /health's worst wait {p.worst_wait_s * 1e3:.0f} ms; "
+            f"server RSS +{p.rss_growth_mib:.0f} MiB at peak")
 
 
 def foreign_host(base: str) -> str:
