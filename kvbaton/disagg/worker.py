@@ -94,8 +94,7 @@ EP_QUIET_AFTER_S = 1.0
 
 
 class Worker:
-    def __init__(self, spec: WorkerSpec, secret: bytes, core: EngineCore, ctx: zmq.Context,
-                 exit_with_parent: bool = False) -> None:
+    def __init__(self, spec: WorkerSpec, secret: bytes, core: EngineCore, ctx: zmq.Context) -> None:
         self.spec, self.core, self.name, self.role = spec, core, spec.name, role_of(spec.role)
         curve = curve_keys(secret, spec.encrypt_traffic)
         self.commands = ctx.socket(zmq.PULL)
@@ -113,7 +112,6 @@ class Worker:
         self.codec.trust(router_peer(spec))
         self.running = True
         self.draining = False
-        self._parent_pid = launcher_pid() if exit_with_parent else None
         self._load_seq = 0
         self.last_load = self._load()  # what the heartbeat thread reports; replaced, never mutated
         self._heartbeat = HeartbeatThread(self.name, spec.router, spec.heartbeat_s, self.codec.for_stream(1), ctx,
@@ -142,9 +140,6 @@ class Worker:
         # in the background, so the worker's memory is what it will be under load (a leak shows as growth)
         threading.Thread(target=self.core.prefault_kv_pools, name="kvbaton-kv-prefault", daemon=True).start()
         while self.running:
-            if self._parent_pid is not None and os.getppid() != self._parent_pid:
-                logger.error("launcher is gone; exiting")
-                return
             runnable = self.core.has_unfinished_requests()
             self._drain_commands(0 if runnable else self._idle_wait_ms())
             self._report_failures(self.core.poll_transfers())
@@ -291,8 +286,9 @@ def worker_engine_config(spec: WorkerSpec) -> EngineConfig:
     return dataclasses.replace(spec.engine, kv_store=dataclasses.replace(store, disk_dir=str(root / spec.name)))
 
 
-def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) -> None:
-    """Run a worker until the router tells it to shut down (blocking)."""
+def run_worker(spec: WorkerSpec, secret: bytes) -> None:
+    """Run a worker until the router tells it to shut down (blocking). A launcher's death ends it through
+    `lifeline` (`main --exit-with-parent`), whose SIGTERM unwinds it as below."""
     try:
         import setproctitle
 
@@ -307,7 +303,7 @@ def run_worker(spec: WorkerSpec, secret: bytes, exit_with_parent: bool = False) 
     core = build_core(spec, role_of(spec.role), secret, startup)
     freeze_long_lived_objects()
     ctx = zmq.Context()
-    worker = Worker(spec, secret, core, ctx, exit_with_parent)
+    worker = Worker(spec, secret, core, ctx)
     startup.lap("sockets")
     logger.debug("%s started in %.2f s: %s", spec.name, startup.total_s, startup.summary())
     try:
@@ -350,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
             require_curve()  # before the model loads
         except CurveUnavailable as exc:
             parser.exit(2, f"kvbaton worker: {exc}\n")
-    run_worker(spec, secret, args.exit_with_parent)
+    run_worker(spec, secret)
 
 
 if __name__ == "__main__":
