@@ -110,6 +110,15 @@ sys.stdin.read()
 """
 
 
+def _kill_all(launcher: subprocess.Popen, session: int) -> None:
+    """Whatever a failed test left: the launcher and the live processes of the head's session (-1: none yet)."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+    for pid in _session(session) if session > 0 else []:
+        os.kill(pid, signal.SIGKILL)
+
+
 def _session(sid: int) -> list[int]:
     """The live processes of session `sid` (the guard leads the head's)."""
     pids = []
@@ -138,11 +147,7 @@ def test_a_launcher_killed_while_its_private_ray_head_starts_takes_it_along():
         wait_until(lambda: not _session(session) and not os.path.exists(temp_dir), 60, interval_s=0.2,
                    message=lambda: f"left: session {_session(session)}, temp dir {os.path.exists(temp_dir)}")
     finally:
-        if parent.poll() is None:
-            parent.kill()
-            parent.wait()
-        for pid in _session(session) if session > 0 else []:
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(parent, session)
 
 
 def test_a_killed_ray_serve_leaves_no_process(tiny_llama):
@@ -167,8 +172,4 @@ def test_a_killed_ray_serve_leaves_no_process(tiny_llama):
                    60, interval_s=0.2, message=lambda: f"left: session {_session(session)}, workers "
                    f"{[p for p in workers if pid_alive(p)]}, temp dir {os.path.exists(temp_dir)}")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in _session(session) if session > 0 else []:
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(proc, session)

@@ -93,13 +93,8 @@ def serve_arena_name() -> str:
     return f"serve-{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def arena_owner_pid(name: str) -> int | None:
-    """The PID of the `kvbaton serve` that named arena `name` (`serve_arena_name`), or None for another name."""
-    match = re.fullmatch(r"serve-(\d+)-[0-9a-f]{6}", name)
-    return int(match.group(1)) if match else None
-
-
-_SERVE_ARENA = re.compile(r"kvb-store-serve-(\d+)-[0-9a-f]{6}-\d+")
+_SERVE_NAME = r"serve-(\d+)-[0-9a-f]{6}"  # `serve_arena_name`'s, its PID captured
+_SERVE_ARENA = re.compile(rf"kvb-store-{_SERVE_NAME}-\d+")  # its file: `arena_path`
 _HALF_MADE = re.compile(r"kvb-[\w.-]+-\d+\.(\d+)\.\d+\.tmp")  # `_create_arena`'s private name: its maker's PID
 
 
@@ -108,6 +103,12 @@ def arena_owner(file_name: str) -> int | None:
     worker that was building a half-made one. None for any other file, an operator-named arena included:
     servers that come and go share it on purpose, and no process owns it."""
     match = _SERVE_ARENA.fullmatch(file_name) or _HALF_MADE.fullmatch(file_name)
+    return int(match.group(1)) if match else None
+
+
+def arena_owner_pid(name: str) -> int | None:
+    """The PID of the `kvbaton serve` that named arena `name` (`serve_arena_name`), or None for another name."""
+    match = re.fullmatch(_SERVE_NAME, name)
     return int(match.group(1)) if match else None
 
 
