@@ -115,7 +115,8 @@ def _close_module() -> None:
 def _report() -> dict:
     """This process's figures: what a pytest-xdist worker sends its controller."""
     _close_module()
-    return {"peak_mib": peak_rss_mib(), "raised": dict(_raised), "kept": dict(_kept)}
+    return {"peak_mib": peak_rss_mib(), "raised": dict(_raised), "kept": dict(_kept),
+            "wall_s": time.monotonic() - _started}
 
 
 _workers: dict[str, dict] = {}  # under pytest-xdist, the controller's copy of each worker's `_report`
@@ -152,6 +153,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line("pytest peak RSS raised by: " + _top(raised, 0.0))
     terminalreporter.write_line("pytest resident set kept after: " + _top(kept, 16.0))
     peaks = ", ".join(f"{name} {report['peak_mib']:.0f}" for name, report in reports.items())
+    if _workers:  # which worker's share of the tests is the critical path: trim there first
+        ended = ", ".join(f"{name} {report['wall_s'] / 60:.1f}" for name, report in sorted(_workers.items()))
+        terminalreporter.write_line(f"xdist workers done after (min): {ended}")
     terminalreporter.write_line(f"suite budget: test phase {wall / 60:.1f} min (budget {BUDGET_S // 60}), pytest "
                                 f"peak RSS {rss:.0f} MiB per process (budget {BUDGET_RSS_MIB}; {peaks}): {verdict}")
 
