@@ -9,14 +9,14 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from kvbaton.engine.llm import LLM
-    from kvbaton.engine.request_output import CompletionOutput, RequestOutput
-    from kvbaton.engine.sampling_params import SamplingParams
+    from kvbaton.sched.sampling_params import SamplingParams
+    from kvbaton.text.request_output import CompletionOutput, RequestOutput
 
 _LAZY = {
     "LLM": "kvbaton.engine.llm",
-    "SamplingParams": "kvbaton.engine.sampling_params",
-    "RequestOutput": "kvbaton.engine.request_output",
-    "CompletionOutput": "kvbaton.engine.request_output",
+    "SamplingParams": "kvbaton.sched.sampling_params",
+    "RequestOutput": "kvbaton.text.request_output",
+    "CompletionOutput": "kvbaton.text.request_output",
 }
 
 

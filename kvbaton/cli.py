@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvbaton.config import WRITE_POLICIES, CacheConfig, ConfigError, EngineConfig, KVStoreConfig, SchedulerConfig
-from kvbaton.engine.errors import EngineDeadError
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.models.registry import DEFAULT_MODEL
 from kvbaton.platform.compute import COMPUTE_PATHS
+from kvbaton.router.errors import EngineDeadError
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 
 if TYPE_CHECKING:
     import httpx
@@ -252,8 +252,8 @@ GENERATE_FALLBACKS: dict[str, float | int] = {"temperature": 0.0, "top_p": 1.0, 
 
 def generate_params(args: argparse.Namespace) -> SamplingParams:
     """The flags given, else the model's generation config, else GENERATE_FALLBACKS."""
-    from kvbaton.engine.generation_config import load_generation_defaults
     from kvbaton.models.registry import resolve_model
+    from kvbaton.text.generation_config import load_generation_defaults
 
     defaults = load_generation_defaults(resolve_model(args.model), args.generation_config)
     given = {k: getattr(args, k) for k in GENERATE_FALLBACKS if getattr(args, k) is not None}
@@ -288,9 +288,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
     from kvbaton.cluster.deploy import Backend, DeploymentSpec
-    from kvbaton.disagg.router import RouterConfig
-    from kvbaton.disagg.supervision import RestartPolicy
-    from kvbaton.disagg.worker_pool import PoolConfig
+    from kvbaton.router.router import RouterConfig
+    from kvbaton.router.supervision import RestartPolicy
+    from kvbaton.router.worker_pool import PoolConfig
 
     router = RouterConfig(prefill_policy=args.routing, decode_policy=args.routing,
                           local_prefill_threshold=args.local_prefill_threshold,

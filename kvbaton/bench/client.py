@@ -17,10 +17,10 @@ from typing import TypedDict
 
 import httpx
 
-from kvbaton.bench.datasets import BenchRequest
-from kvbaton.bench.errors import BenchError
-from kvbaton.bench.records import REJECT_HTTP_STATUSES, RequestRecord
-from kvbaton.bench.sse import SSEDecoder, StreamEvent, asse_lines, parse_event
+from kvbaton.client.sse import SSEDecoder, StreamEvent, asse_lines, parse_event
+from kvbaton.workload.datasets import BenchRequest
+from kvbaton.workload.errors import WorkloadError
+from kvbaton.workload.records import REJECT_HTTP_STATUSES, RequestRecord
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 _STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
@@ -41,9 +41,9 @@ class Target:
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
-            raise BenchError(f"unsupported --endpoint {self.endpoint!r}; choose one of {', '.join(ENDPOINTS)}")
+            raise WorkloadError(f"unsupported --endpoint {self.endpoint!r}; choose one of {', '.join(ENDPOINTS)}")
         if not self.base_url.startswith(("http://", "https://")):
-            raise BenchError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
+            raise WorkloadError(f"--base-url must start with http:// or https://, got {self.base_url!r}")
 
     @property
     def url(self) -> str:
@@ -83,7 +83,7 @@ def fetch_model_name(base_url: str, api_key: str | None = None) -> str:
         resp.raise_for_status()
         return resp.json()["data"][0]["id"]
     except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise BenchError(f"cannot ask {base_url}/v1/models for a model name ({exc}); pass --model") from exc
+        raise WorkloadError(f"cannot ask {base_url}/v1/models for a model name ({exc}); pass --model") from exc
 
 
 class _RecordBase(TypedDict):

@@ -15,10 +15,10 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from kvbaton.bench.arrivals import ArrivalConfig, arrival_offsets
 from kvbaton.bench.client import Target, make_client, send_request
-from kvbaton.bench.datasets import BenchRequest
-from kvbaton.bench.records import RequestRecord, RunResult
+from kvbaton.workload.arrivals import ArrivalConfig, arrival_offsets
+from kvbaton.workload.datasets import BenchRequest
+from kvbaton.workload.records import RequestRecord, RunResult
 
 
 async def run_load(target: Target, requests: list[BenchRequest], arrivals: ArrivalConfig, seed: int,

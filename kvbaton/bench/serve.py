@@ -14,14 +14,15 @@ from dataclasses import replace
 from rich.console import Console
 from rich.markup import escape
 
-from kvbaton.bench.arrivals import ArrivalConfig
 from kvbaton.bench.client import Target, fetch_model_name
-from kvbaton.bench.datasets import DatasetConfig, PromptSource, TokenizerPrompts, WordPrompts, build_requests
-from kvbaton.bench.errors import BenchError
-from kvbaton.bench.metrics import SLO, Summary, summarize
-from kvbaton.bench.records import RunResult
-from kvbaton.bench.report import print_report, rate_label, result_document, write_result_json
 from kvbaton.bench.runner import run_load
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.datasets import DatasetConfig, PromptSource, TokenizerPrompts, WordPrompts, build_requests
+from kvbaton.workload.errors import WorkloadError
+from kvbaton.workload.flags import dataset_config
+from kvbaton.workload.metrics import SLO, Summary, summarize
+from kvbaton.workload.records import RunResult
+from kvbaton.workload.report import print_report, rate_label, result_document, write_result_json
 
 
 def serve_benchmark(args: argparse.Namespace, rates: list[float], seed: int) -> int:
@@ -30,7 +31,7 @@ def serve_benchmark(args: argparse.Namespace, rates: list[float], seed: int) -> 
     dataset = dataset_config(args)
     arrivals = [ArrivalConfig(rate, args.arrival, args.burstiness, args.max_concurrency) for rate in rates]
     if args.max_duration_s is not None and args.max_duration_s <= 0:
-        raise BenchError("--max-duration-s must be positive")
+        raise WorkloadError("--max-duration-s must be positive")
     target = build_target(args)
     console = _console()
     console.print(f"kvbaton bench serve: seed {seed}, model {target.model!r}, {target.url}, "
@@ -68,14 +69,6 @@ def _run_one(target: Target, requests: list, arrivals: ArrivalConfig, seed: int,
     return asyncio.run(run_load(target, requests, arrivals, seed, args.max_duration_s, not args.no_progress))
 
 
-def dataset_config(args: argparse.Namespace) -> DatasetConfig:
-    return DatasetConfig(
-        name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-        long_fraction=args.long_fraction, long_input_len=args.long_input_len, short_input_len=args.short_input_len,
-    )
-
-
 def build_target(args: argparse.Namespace) -> Target:
     extra_body = _parse_extra_body(args.extra_body)
     model = args.model or fetch_model_name(args.base_url, args.api_key)
@@ -90,7 +83,7 @@ def prompt_source(tokenizer_dir: str | None) -> PromptSource:
     try:
         return TokenizerPrompts.from_dir(tokenizer_dir)
     except (OSError, ValueError) as exc:
-        raise BenchError(f"cannot load a tokenizer from {tokenizer_dir!r}: {exc}") from exc
+        raise WorkloadError(f"cannot load a tokenizer from {tokenizer_dir!r}: {exc}") from exc
 
 
 def _parse_extra_body(text: str | None) -> dict:
@@ -99,9 +92,9 @@ def _parse_extra_body(text: str | None) -> dict:
     try:
         body = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise BenchError(f"--extra-body is not valid JSON: {exc}") from exc
+        raise WorkloadError(f"--extra-body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise BenchError("--extra-body must be a JSON object")
+        raise WorkloadError("--extra-body must be a JSON object")
     return body
 
 
@@ -118,7 +111,7 @@ def _write_outputs(args: argparse.Namespace, config: dict, results: list[RunResu
         write_result_json(args.result_json, result_document(config, results, summaries))
         console.print(f"results: {args.result_json}")
     if args.plot_dir:
-        from kvbaton.bench.plots import write_plots
+        from kvbaton.workload.plots import write_plots
 
         for path in write_plots(args.plot_dir, results, summaries, slo):
             console.print(f"plot: {path}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from kvbaton.bench.sse import SSEDecoder, parse_event, sse_lines
+from kvbaton.client.sse import SSEDecoder, parse_event, sse_lines
 
 CONNECT_TIMEOUT_S = 10.0
 

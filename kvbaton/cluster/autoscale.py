@@ -32,10 +32,10 @@ from kvbaton.cluster.autoscale_policy import (
 )
 from kvbaton.cluster.autoscale_threshold import ThresholdDecision, threshold_decision
 from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample
-from kvbaton.disagg.router import Router
-from kvbaton.disagg.spec import WorkerRole
-from kvbaton.disagg.supervision import SlotState
-from kvbaton.engine.request_output import RequestOutput
+from kvbaton.messages.worker_spec import WorkerRole
+from kvbaton.router.router import Router
+from kvbaton.router.supervision import SlotState
+from kvbaton.text.request_output import RequestOutput
 
 logger = logging.getLogger(__name__)
 DecisionListener = Callable[[Decision, Measurements], None]

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.info import DecodeStepTimes
+from kvbaton.sched.info import DecodeStepTimes
 
 
 class Pool(str, enum.Enum):

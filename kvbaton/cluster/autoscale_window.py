@@ -10,10 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvbaton.cluster.autoscale_policy import AutoscaleConfig, Measurements, Pool, PoolLoad, feasible_batch
-from kvbaton.disagg.flight import Flight
-from kvbaton.disagg.worker_pool import WorkerHandle
-from kvbaton.engine.info import DecodeStepTimes
-from kvbaton.engine.request_output import RequestOutput
+from kvbaton.router.flight import Flight
+from kvbaton.router.worker_pool import WorkerHandle
+from kvbaton.sched.info import DecodeStepTimes
+from kvbaton.text.request_output import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, KVStoreConfig
-from kvbaton.disagg.launcher import Launcher
-from kvbaton.disagg.policies import POLICIES
-from kvbaton.disagg.router import Router, RouterConfig
-from kvbaton.disagg.spec import ConnectorSpec
-from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
-from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.connectors.base import TRANSPORTS
 from kvbaton.kv.connectors.mooncake.engine import check_data_plane
+from kvbaton.messages.worker_spec import ConnectorSpec
 from kvbaton.platform.net import is_loopback
+from kvbaton.router.launcher import Launcher
+from kvbaton.router.policies import POLICIES
+from kvbaton.router.router import Router, RouterConfig
+from kvbaton.router.worker_pool import PoolConfig, WorkerPool
+from kvbaton.text.tokenizer import Tokenizer
 from kvbaton.wire import CurveUnavailable, cluster_secret, require_curve
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def make_launcher(spec: DeploymentSpec, secret: bytes) -> Launcher:
 
 def check_group_exposure(spec: DeploymentSpec, host: str) -> None:
     """ConfigError for expert-parallel groups meeting off loopback unless the operator allowed it: the rendezvous
-    store and gloo's pair sockets (`engine.rendezvous`) authenticate no peer, so any host that reaches them could
+    store and gloo's pair sockets (`parallel.rendezvous`) authenticate no peer, so any host that reaches them could
     join a group or feed its all-to-all."""
     if is_loopback(host) or spec.allow_insecure_kv_transport:
         return

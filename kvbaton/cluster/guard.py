@@ -3,7 +3,7 @@
     kvbaton serve ── python -m kvbaton.cluster.guard (session leader) ── `ray start --head --block` ── raylet, ...
 
 The guard runs the command as its child, in its own session, and compares its parent with the launcher's
-PID (given on its command line), as `kvbaton.disagg.lifeline` does for a worker. Once the launcher is
+PID (given on its command line), as `kvbaton.worker.lifeline` does for a worker. Once the launcher is
 gone (a SIGKILL, which no handler sees, included) it ends the session: SIGTERM to the command, SIGKILL
 to whatever of the session is left after a grace period, then removes the command's temp dir. From the
 launcher's side it stands for the command: it exits with the command, and SIGTERM stops the command

@@ -1,7 +1,7 @@
 """What a killed `kvbaton serve` left behind, removed when the next one starts (`sweep`).
 
 A SIGKILL reaches no `finally`, so the private servers' temp dirs and the KV store's shm arena stay
-(their processes do not: see `kvbaton.disagg.lifeline`, `kvbaton.cluster.guard`). What goes, only
+(their processes do not: see `kvbaton.worker.lifeline`, `kvbaton.cluster.guard`). What goes, only
 of this user and never through a symlink:
 
     <tmp>/kvbaton-redis-*, kvbaton-mooncake-*, kvbray-*   whose recorded owner is gone (`kv.owner`)

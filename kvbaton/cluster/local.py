@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbaton.cluster.worker_env import worker_env
-from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.messages.worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +23,9 @@ class LocalWorker:
 
 
 class LocalLauncher:
-    """One `python -m kvbaton.disagg.worker` process per worker, titled `kvbaton-<role>-<index>`.
+    """One `python -m kvbaton.worker.main` process per worker, titled `kvbaton-<role>-<index>`.
 
-    Implements `kvbaton.disagg.launcher.Launcher`. The cluster secret and the spec reach the
+    Implements `kvbaton.router.launcher.Launcher`. The cluster secret and the spec reach the
     worker through its environment (`worker_env`), never its command line."""
 
     backend = "local"
@@ -42,7 +42,7 @@ class LocalLauncher:
     def launch(self, spec: WorkerSpec) -> None:
         if self.is_alive(spec.name):
             raise ValueError(f"{spec.name} is running already")
-        cmd = [sys.executable, "-m", "kvbaton.disagg.worker", "--exit-with-parent"]
+        cmd = [sys.executable, "-m", "kvbaton.worker.main", "--exit-with-parent"]
         log = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -6,13 +6,13 @@ import os
 
 import msgspec
 
-from kvbaton.disagg.lifeline import PARENT_ENV
-from kvbaton.disagg.spec import SPEC_ENV, WorkerSpec
+from kvbaton.messages.worker_spec import SPEC_ENV, WorkerSpec
 from kvbaton.wire import SECRET_ENV
+from kvbaton.worker.lifeline import PARENT_ENV
 
 
 def worker_env(spec: WorkerSpec, secret: bytes) -> dict[str, str]:
-    """This process's environment plus what `kvbaton.disagg.worker` reads from it.
+    """This process's environment plus what `kvbaton.worker.main` reads from it.
 
     The cluster secret and the spec (which may hold a Redis password) go through the environment,
     never the command line (`ps` shows argv to everyone)."""

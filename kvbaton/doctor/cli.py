@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvbaton.doctor import steps
-from kvbaton.doctor.client import Deployment, DoctorError
+from kvbaton.doctor.client import DeploymentClient, DoctorError
 from kvbaton.doctor.findings import compute_findings, interconnect_findings, kv_findings, routing_findings
 from kvbaton.doctor.report import Report, render
 
@@ -42,7 +42,7 @@ def add_doctor_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 def main(args: argparse.Namespace) -> int:
     opts = steps.Options(transfer_mb=args.transfer_mb, repeats=args.repeats, profile_steps=args.profile_steps,
                          timeout_s=args.timeout, skip_profile=args.skip_profile)
-    dep = Deployment(args.url, args.api_key)
+    dep = DeploymentClient(args.url, args.api_key)
     try:
         report = diagnose(dep, opts)
     except DoctorError as exc:
@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def diagnose(dep: Deployment, opts: steps.Options) -> Report:
+def diagnose(dep: DeploymentClient, opts: steps.Options) -> Report:
     """The four steps in order (see `steps`); DoctorError if the deployment cannot be diagnosed at all."""
     first = steps.snapshot(dep, dep.check())
     interconnect = steps.interconnect(dep, first, opts)

@@ -23,7 +23,7 @@ class EndpointError(Exception):
         self.status = status
 
 
-class Deployment:
+class DeploymentClient:
     def __init__(self, url: str, api_key: str | None, timeout_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

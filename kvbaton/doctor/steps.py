@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvbaton.doctor import thresholds as t
-from kvbaton.doctor.client import Deployment, EndpointError, Metrics, share_at_least
+from kvbaton.doctor.client import DeploymentClient, EndpointError, Metrics, share_at_least
 
 MIN_WINDOW_S = 2.0  # step 2's rates need some time between its two scrapes
 ARM_S = 0.5  # time for the workers to arm their profilers before our traffic arrives
@@ -47,7 +47,7 @@ class Snapshot:
     errors: list[str]
 
 
-def snapshot(dep: Deployment, workers: list[dict[str, Any]] | None = None) -> Snapshot:
+def snapshot(dep: DeploymentClient, workers: list[dict[str, Any]] | None = None) -> Snapshot:
     errors: list[str] = []
 
     def read(what: str, fetch: Any, default: Any) -> Any:
@@ -68,7 +68,7 @@ def snapshot(dep: Deployment, workers: list[dict[str, Any]] | None = None) -> Sn
 # ---- 1 -------------------------------------------------------------------------------------------------------
 
 
-def interconnect(dep: Deployment, snap: Snapshot, opts: Options) -> dict[str, Any]:
+def interconnect(dep: DeploymentClient, snap: Snapshot, opts: Options) -> dict[str, Any]:
     fig: dict[str, Any] = {"transport": snap.routing.get("kv_transport"), "pairs": [], "all_reduce": {}, "errors": [],
                            "single_host": len({urlsplit(w.get("address", "")).hostname for w in snap.workers}) <= 1}
     wait_s = opts.timeout_s * 2 + 10  # the server's own bound on each probe, and then some
@@ -130,7 +130,7 @@ def _tiers(m: Metrics) -> dict[str, dict[str, float]]:
 # ---- 3 -------------------------------------------------------------------------------------------------------
 
 
-def compute(dep: Deployment, snap: Snapshot, opts: Options) -> dict[str, Any]:
+def compute(dep: DeploymentClient, snap: Snapshot, opts: Options) -> dict[str, Any]:
     workers = [{"name": w["name"], "role": w.get("role"), "compute_path": w.get("compute_path")}
                for w in snap.workers if w.get("healthy")]
     fig: dict[str, Any] = {"workers": workers, "errors": [], "traffic": None}
@@ -155,14 +155,14 @@ def compute(dep: Deployment, snap: Snapshot, opts: Options) -> dict[str, Any]:
     return fig
 
 
-def _max_model_len(dep: Deployment) -> int:
+def _max_model_len(dep: DeploymentClient) -> int:
     try:
         return int(dep.get("/v1/models")["data"][0]["max_model_len"])
     except (EndpointError, KeyError, IndexError, TypeError, ValueError):
         return 2048
 
 
-def drive_traffic(dep: Deployment, pool: ThreadPoolExecutor, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+def drive_traffic(dep: DeploymentClient, pool: ThreadPoolExecutor, prompt_len: int, max_tokens: int) -> dict[str, Any]:
     """Two long prompts (through the prefill pool, if any) and a short one, with distinct token ids (no prefix
     hit keeps them local), so every worker has real steps to profile."""
     rng = random.Random()

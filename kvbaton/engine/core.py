@@ -1,6 +1,6 @@
 """The engine core: scheduler + model runner over one paged KV pool, and (in a disaggregated
 worker) the KV hand-off to or from other workers. It knows token ids, never text, so the same
-core runs in-process (`LLMEngine`) or inside a worker process (`kvbaton.disagg.worker`).
+core runs in-process (`LLMEngine`) or inside a worker process (`kvbaton.worker.main`).
 
 Process-wide settings (thread count, GC freezing) are not made here but by the process entry
 points (`kvbaton.platform.process`): a core is one object, not the process.
@@ -18,24 +18,7 @@ from pathlib import Path
 import torch
 
 from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, ModelConfig
-from kvbaton.engine.expert_parallel import ExpertParallelGroup
-from kvbaton.engine.expert_stats import ExpertStats
-from kvbaton.engine.info import DecodeStepTimes, EngineInfo, EngineStats, ExpertLoad, validate_request
-from kvbaton.engine.kv_cache_manager import KVCacheManager
 from kvbaton.engine.model_runner import ModelRunner
-from kvbaton.engine.outputs import (
-    FinishReason,
-    RemoteDecode,
-    RequestFailure,
-    SchedulerOutput,
-    StepResult,
-    TransferFailure,
-)
-from kvbaton.engine.request import Request, RequestStatus
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.scheduler import Scheduler
-from kvbaton.engine.step_shape import StepShape
-from kvbaton.engine.step_trace import StepTrace
 from kvbaton.engine.structured.admission import GrammarAdmission
 from kvbaton.engine.structured.grammar import GrammarCompiler
 from kvbaton.engine.structured.matchers import GrammarMatchers
@@ -52,9 +35,25 @@ from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
+from kvbaton.parallel.expert_parallel import ExpertParallelGroup
+from kvbaton.parallel.expert_stats import ExpertStats
 from kvbaton.platform.compute import ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import FEATURES, detect_cpu
 from kvbaton.platform.startup import StartupClock
+from kvbaton.sched.info import DecodeStepTimes, EngineInfo, EngineStats, ExpertLoad, validate_request
+from kvbaton.sched.kv_cache_manager import KVCacheManager
+from kvbaton.sched.outputs import (
+    FinishReason,
+    RemoteDecode,
+    RequestFailure,
+    SchedulerOutput,
+    StepResult,
+)
+from kvbaton.sched.request import Request, RequestStatus
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.sched.scheduler import Scheduler
+from kvbaton.sched.step_shape import StepShape
+from kvbaton.sched.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ def trace_role(kv_transfer: KVTransferConfig | None) -> str:
 def _grammar_compiler(model_dir: Path, info: EngineInfo, runner: ModelRunner) -> GrammarCompiler:
     """The grammar compiler for this model's tokenizer, and the runner's matchers over it (built with the
     first structured request, or at a served worker's start)."""
-    from kvbaton.engine.tokenizer import tokenizer_json
+    from kvbaton.text.tokenizer import tokenizer_json
 
     compiler = GrammarCompiler.for_tokenizer(functools.partial(tokenizer_json, model_dir), info.vocab_size,
                                              info.eos_token_ids)
@@ -361,32 +360,6 @@ class EngineCore:
             self.grammars.compile(req.sampling_params.structured_output)  # ready, most likely, by the first decode
         return self.handoff.reserve(req, deadline_s)
 
-    def start_decode(self, request_id: str, first_token_id: int) -> None:
-        self.handoff.start_decode(request_id, first_token_id)
-
-    def cancel_receive(self, request_id: str) -> None:
-        self.handoff.cancel_receive(request_id)
-
-    def poll_transfers(self) -> list[TransferFailure]:
-        return self.handoff.poll()
-
-    @property
-    def receiver_address(self) -> str | None:
-        """Where prefill workers send this engine's KV (decode role), else None."""
-        return self.handoff.receiver_address
-
-    @property
-    def transfers_in_flight(self) -> bool:
-        return self.handoff.in_flight
-
-    @property
-    def num_receiving(self) -> int:
-        return self.handoff.num_receiving
-
-    @property
-    def num_sending(self) -> int:
-        return self.handoff.num_sending
-
     # ---- state -----------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
@@ -414,7 +387,7 @@ class EngineCore:
     def num_requests(self) -> int:
         """Requests holding blocks: running, waiting, held for sending, receiving."""
         s = self.scheduler
-        return len(s.running) + len(s.waiting) + len(s.held) + len(s.receiving) + len(self.grammars)
+        return len(s.running) + len(s.waiting) + s.num_held + s.num_receiving + len(self.grammars)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -6,16 +6,16 @@ import time
 
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.core import EngineCore
-from kvbaton.engine.info import EngineStats, validate_request
-from kvbaton.engine.inputs import PromptType, tokenize_prompt
-from kvbaton.engine.output_processor import OutputProcessor
-from kvbaton.engine.outputs import FinishReason
-from kvbaton.engine.request import Request
-from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.tokenizer import Tokenizer, eos_token_ids
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
+from kvbaton.sched.info import EngineStats, validate_request
+from kvbaton.sched.outputs import FinishReason
+from kvbaton.sched.request import Request
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.inputs import PromptType, tokenize_prompt
+from kvbaton.text.output_processor import OutputProcessor
+from kvbaton.text.request_output import RequestOutput
+from kvbaton.text.tokenizer import Tokenizer, eos_token_ids
 
 
 class LLMEngine:

@@ -15,8 +15,8 @@ import torch
 
 from kvbaton.config import CacheConfig, EngineConfig
 from kvbaton.engine.core import EngineCore
-from kvbaton.engine.outputs import ScheduledRequest
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.outputs import ScheduledRequest
+from kvbaton.sched.sampling_params import SamplingParams
 
 KL_ROWS = 128  # positions per block of the KL sum
 

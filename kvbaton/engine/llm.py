@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvbaton.config import CacheConfig, EngineConfig, SchedulerConfig
 from kvbaton.engine.engine import LLMEngine
-from kvbaton.engine.inputs import PromptType, tokenize_prompt
-from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.inputs import PromptType, tokenize_prompt
+from kvbaton.text.request_output import RequestOutput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

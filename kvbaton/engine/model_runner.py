@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs, TransferFailure
 from kvbaton.engine.sampler import SamplingRow, sample, token_logprobs
 from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
@@ -18,6 +17,7 @@ from kvbaton.kv.pools import KVPools, torch_dtype
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.models.families import CausalLM
 from kvbaton.platform.compute import AttentionCode
+from kvbaton.sched.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs, TransferFailure
 
 
 def _derived_seed(engine_seed: int, request_id: str) -> int:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbaton.engine.outputs import TokenLogprobs
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.outputs import TokenLogprobs
+from kvbaton.sched.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -40,11 +40,11 @@ import torch
 from kvbaton.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from kvbaton.engine.core import EngineCore
 from kvbaton.engine.engine import LLMEngine
-from kvbaton.engine.outputs import ScheduledRequest, SchedulerOutput
-from kvbaton.engine.request import Request
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.step_trace import PROFILE_FORMAT
 from kvbaton.models.registry import DEFAULT_MODEL
+from kvbaton.sched.outputs import ScheduledRequest, SchedulerOutput
+from kvbaton.sched.request import Request
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.sched.step_trace import PROFILE_FORMAT
 
 VISIT_STEPS = 2  # a warm-up step, then the timed one
 

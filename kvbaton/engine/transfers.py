@@ -3,7 +3,7 @@ KV is on the move. No torch here (the connector halves are used through their co
 
     prefill role (a sender):   the runner begins a request's hand-off in the step that ends its prompt
                                and sends it layer by layer; the request then finishes as `transfer` and
-                               its blocks stay held (`Scheduler.held`) until `poll()` sees the send end.
+                               its blocks stay held (`Scheduler.is_held`) until `poll()` sees the send end.
     decode role (a receiver):  `reserve()` allocates blocks for a prompt's KV outside the prefix cache and
                                tells the receiver to expect it; the request starts decoding once both its
                                KV (seen by `poll()`) and its first token (`start_decode()`) are in, in
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvbaton.engine.outputs import TransferFailure
-from kvbaton.engine.request import Request
-from kvbaton.engine.scheduler import Scheduler
+from kvbaton.sched.outputs import TransferFailure
+from kvbaton.sched.request import Request
+from kvbaton.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from kvbaton.kv.connectors.base import KVReceiver, KVSender
@@ -59,7 +59,7 @@ class KVHandoff:
 
     def start_decode(self, request_id: str, first_token_id: int) -> None:
         """The prefill worker sampled the request's first token: decode on once the KV is in."""
-        if request_id in self.scheduler.receiving:
+        if self.scheduler.is_receiving(request_id):
             self._first_tokens[request_id] = first_token_id
             self._admit_ready()
 
@@ -76,7 +76,7 @@ class KVHandoff:
         """Stop these requests' hand-offs, on whichever side they are, and free their blocks."""
         for request_id in request_ids:
             self.cancel_receive(request_id)
-            if self.sender is not None and request_id in self.scheduler.held:
+            if self.sender is not None and self.scheduler.is_held(request_id):
                 self.sender.abort(request_id)
                 self.scheduler.release_held(request_id)
 
@@ -93,7 +93,7 @@ class KVHandoff:
                 failures.append(TransferFailure(request_id, reason))
         if self.receiver is not None:
             result = self.receiver.poll()
-            self._arrived.update(r for r in result.completed if r in self.scheduler.receiving)
+            self._arrived.update(r for r in result.completed if self.scheduler.is_receiving(r))
             for request_id, reason in result.failed:
                 self.cancel_receive(request_id)
                 failures.append(TransferFailure(request_id, reason))
@@ -102,15 +102,15 @@ class KVHandoff:
 
     @property
     def num_receiving(self) -> int:
-        return len(self.scheduler.receiving)
+        return self.scheduler.num_receiving
 
     @property
     def num_sending(self) -> int:
-        return len(self.scheduler.held)
+        return self.scheduler.num_held
 
     @property
     def in_flight(self) -> bool:
-        return bool(self.scheduler.held or self.scheduler.receiving)
+        return bool(self.scheduler.num_held or self.scheduler.num_receiving)
 
     def close(self) -> None:
         for half in (self.sender, self.receiver):

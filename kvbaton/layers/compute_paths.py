@@ -28,7 +28,7 @@ from kvbaton.kernels.pack_cache import PackCache
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
 from kvbaton.layers.moe.experts import GroupedExperts
-from kvbaton.layers.moe.router import TopKRouter
+from kvbaton.layers.moe.gate import TopKGate
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.platform.compute import ComputePlan
 
@@ -81,7 +81,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
             if moe_kernel is not None and moe_kernel.supports(module.gate_up_proj, module.down_proj):
                 module.use_kernel(moe_kernel)
                 moe_layers += 1
-        elif isinstance(module, TopKRouter):
+        elif isinstance(module, TopKGate):
             softmax = module.moe.scoring == "softmax"
             suits = route_kernel is not None and softmax and route_kernel.supports(module.weight)
             module.kernel = route_kernel if suits else None

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from kvbaton.config import SchedulerConfig
-from kvbaton.plan.deployment import Deployment
+from kvbaton.plan.candidate import Candidate
+from kvbaton.plan.deployment import DeploymentPlan
 from kvbaton.plan.evaluate import Harness
-from kvbaton.plan.search import Candidate, Progress, at_target, candidate, pd_ratios
+from kvbaton.plan.search import Progress, at_target, candidate, pd_ratios
 from kvbaton.sim.model_spec import KVDtype
 from kvbaton.sim.roofline import Parallelism
 
@@ -52,7 +53,7 @@ def propose_actions(harness: Harness, current: Candidate, devices: int, note: Pr
     return sorted(actions, key=lambda a: a.rank_key)
 
 
-def _simulate(harness: Harness, deps: list[Deployment], devices: int, note: Progress) -> list[Candidate]:
+def _simulate(harness: Harness, deps: list[DeploymentPlan], devices: int, note: Progress) -> list[Candidate]:
     return [at_target(harness, candidate(harness, dep, note), devices) for dep in deps]
 
 

@@ -17,7 +17,7 @@ import math
 from rich.console import Console
 
 from kvbaton.config import ConfigError, SchedulerConfig
-from kvbaton.plan.deployment import Deployment
+from kvbaton.plan.deployment import DeploymentPlan
 from kvbaton.plan.diagnose import Observation
 from kvbaton.plan.evaluate import SimOptions
 from kvbaton.plan.examples import EXAMPLES, Scenario
@@ -99,7 +99,7 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
                     prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, slo_ttft_ms=args.slo_ttft_ms,
                     slo_tpot_ms=args.slo_tpot_ms, attainment_target=args.attainment)
     current = Parallelism(args.current_tp, args.current_pp) if args.current_tp else Parallelism()
-    deployment = Deployment(parallel=current, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
+    deployment = DeploymentPlan(parallel=current, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                             scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                                       max_num_batched_tokens=args.max_num_batched_tokens),
                             gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size)

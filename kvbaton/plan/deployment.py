@@ -24,7 +24,7 @@ DEFAULT_SCHEDULER = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=819
 
 
 @dataclass(frozen=True, kw_only=True)
-class Deployment:
+class DeploymentPlan:
     parallel: Parallelism
     weight_dtype: Dtype = Dtype.BF16
     kv_dtype: KVDtype = KVDtype.BF16
@@ -56,7 +56,7 @@ class Deployment:
             mode += f" (local < {self.local_prefill_threshold})"
         return f"{self.parallel.label}{mode}"
 
-    def with_(self, **changes: object) -> Deployment:
+    def with_(self, **changes: object) -> DeploymentPlan:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
@@ -69,16 +69,16 @@ class Setting:
     kv_link: LinkModel = field(default_factory=lambda: link_preset("roce200"))  # P -> D, between nodes
     max_model_len: int = 8192
 
-    def memory(self, dep: Deployment) -> MemoryPlan:
+    def memory(self, dep: DeploymentPlan) -> MemoryPlan:
         return plan_memory(self.model, self.hardware, dep.parallel, weight_dtype=dep.weight_dtype,
                            kv_dtype=dep.kv_dtype, scheduler=dep.scheduler,
                            gpu_memory_utilization=dep.gpu_memory_utilization, block_size=dep.block_size)
 
-    def latency(self, dep: Deployment) -> RooflineLatency:
+    def latency(self, dep: DeploymentPlan) -> RooflineLatency:
         return RooflineLatency(model=self.model, hardware=self.hardware, parallel=dep.parallel,
                                weight_dtype=dep.weight_dtype, kv_dtype=dep.kv_dtype, inter_node_link=self.kv_link)
 
-    def instance(self, dep: Deployment) -> InstanceSpec:
+    def instance(self, dep: DeploymentPlan) -> InstanceSpec:
         memory = self.memory(dep)
         if memory.num_blocks < 1:
             raise ConfigError(f"{dep.label}: {self.model.name} does not fit on {self.hardware.name}")
@@ -86,7 +86,7 @@ class Setting:
                             scheduler=dep.scheduler, max_model_len=self.max_model_len,
                             kv_bytes_per_token=memory.kv_bytes_per_token, num_devices=dep.parallel.num_devices)
 
-    def cluster(self, dep: Deployment) -> ClusterSpec:
+    def cluster(self, dep: DeploymentPlan) -> ClusterSpec:
         """One unit of `dep`, as the simulator runs it."""
         instance = self.instance(dep)
         return ClusterSpec(decode=instance, num_decode=dep.num_decode, num_prefill=dep.num_prefill,

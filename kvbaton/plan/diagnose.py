@@ -15,10 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvbaton.plan.deployment import Deployment
+from kvbaton.plan.candidate import Candidate
+from kvbaton.plan.deployment import DeploymentPlan
 from kvbaton.plan.evaluate import Evaluation, Harness
 from kvbaton.plan.memory import MemoryPlan
-from kvbaton.plan.search import Candidate, Progress, at_target, candidate
+from kvbaton.plan.search import Progress, at_target, candidate
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.model_spec import ModelSpec
 from kvbaton.sim.roofline import StepCosts
@@ -85,7 +86,7 @@ def kv_formula(model: ModelSpec, kv_bytes: int, element_bytes: int, scale_bytes:
             f"{kv_bytes:,} B = {kv_bytes / 1024:.1f} KiB per token")
 
 
-def diagnose(harness: Harness, current: Deployment, devices: int, observation: Observation,
+def diagnose(harness: Harness, current: DeploymentPlan, devices: int, observation: Observation,
              note: Progress) -> Diagnosis:
     setting, load = harness.setting, harness.load
     model, hw = setting.model, setting.hardware

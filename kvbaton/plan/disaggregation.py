@@ -9,13 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
+from kvbaton.plan.candidate import Candidate
 from kvbaton.plan.evaluate import Harness
 from kvbaton.plan.workload import Workload
-
-if TYPE_CHECKING:
-    from kvbaton.plan.search import Candidate
 
 PD_MARGIN = 1.05  # PD must beat colocated by 5% of goodput per GPU: it costs a KV transfer path to run
 

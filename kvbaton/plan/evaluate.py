@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvbaton.bench.metrics import good_count, summarize
-from kvbaton.plan.deployment import Deployment, Setting
+from kvbaton.plan.deployment import DeploymentPlan, Setting
 from kvbaton.plan.workload import RequestPool, Workload
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.simulator import simulate
+from kvbaton.workload.metrics import good_count, summarize
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +80,7 @@ class Harness:
     def build(cls, setting: Setting, load: Workload, options: SimOptions) -> Harness:
         return cls(setting, load, options, load.pool(options.max_requests, options.seed))
 
-    def evaluate(self, dep: Deployment, rate: float) -> Evaluation:
+    def evaluate(self, dep: DeploymentPlan, rate: float) -> Evaluation:
         load, options = self.load, self.options
         count = max(options.min_requests, min(options.max_requests, math.ceil(rate * options.window_s)))
         requests = self.pool.at(rate, count)
@@ -106,7 +106,7 @@ class Harness:
             busy=max(s.busy_s for s in run.instances) / duration,
             mfu=tokens * 2.0 * self.setting.model.active_params / peak, wall_s=run.wall_s)
 
-    def goodput(self, dep: Deployment) -> Goodput:
+    def goodput(self, dep: DeploymentPlan) -> Goodput:
         runs: list[Evaluation] = []
         passed: Evaluation | None = None
         failed = math.inf
@@ -125,7 +125,7 @@ class Harness:
         best = passed.rate if passed else 0.0
         return Goodput(rate=best, per_device=best / dep.unit_devices, best=passed, runs=tuple(runs))
 
-    def request_cost(self, dep: Deployment) -> RequestCost:
+    def request_cost(self, dep: DeploymentPlan) -> RequestCost:
         latency, memory, load = self.setting.latency(dep), self.setting.memory(dep), self.load
         budget = dep.scheduler.max_num_batched_tokens
         chunk = latency.step_seconds(StepShape(prefill_tokens=budget, prefill_seqs=1,
@@ -135,7 +135,7 @@ class Harness:
         step = latency.step_seconds(StepShape(decode_seqs=batch, decode_context=batch * context))
         return RequestCost(load.mean_prompt_len * chunk / budget, load.output_len * step / batch, batch)
 
-    def estimated_capacity(self, dep: Deployment) -> float:
+    def estimated_capacity(self, dep: DeploymentPlan) -> float:
         """Requests/s a unit could sustain by the roofline alone (no queueing, no SLO): a starting point."""
         cost = self.request_cost(dep)
         if not dep.disaggregated:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbaton.plan.search import Candidate
+from kvbaton.plan.candidate import Candidate
 
 GB = 1e9
 

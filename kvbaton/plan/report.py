@@ -13,9 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbaton.plan.actions import Action
+from kvbaton.plan.candidate import Candidate
 from kvbaton.plan.diagnose import Diagnosis, explain
 from kvbaton.plan.evaluate import Evaluation, Harness
-from kvbaton.plan.search import Candidate, PlanResult
+from kvbaton.plan.search import PlanResult
 
 GB = 1e9
 MIB = 2**20

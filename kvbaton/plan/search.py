@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 from kvbaton.config import ConfigError
-from kvbaton.plan.deployment import Deployment
+from kvbaton.plan.candidate import Candidate
+from kvbaton.plan.deployment import DeploymentPlan
 from kvbaton.plan.disaggregation import DisaggregationAdvice, recommend_disaggregation
-from kvbaton.plan.evaluate import Evaluation, Goodput, Harness
-from kvbaton.plan.memory import MemoryPlan
+from kvbaton.plan.evaluate import Harness
 from kvbaton.sim.roofline import Parallelism
 
 MAX_UNIT_INSTANCES = 5  # P + D per unit
@@ -37,31 +37,6 @@ class SearchSpace:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Candidate:
-    deployment: Deployment
-    memory: MemoryPlan
-    goodput: Goodput | None  # None: does not fit
-    at_target: Evaluation | None = None  # one unit at its share of the QPS on the budget's GPUs
-
-    @property
-    def fits(self) -> bool:
-        return self.goodput is not None
-
-    @property
-    def per_device(self) -> float:
-        return self.goodput.per_device if self.goodput else 0.0
-
-    def devices_for(self, qps: float) -> int | None:
-        """GPUs that serve `qps` at the target attainment (None: no rate met it)."""
-        if not self.goodput or self.goodput.rate <= 0:
-            return None
-        return math.ceil(qps / self.goodput.rate) * self.deployment.unit_devices
-
-    def units_on(self, devices: int) -> int:
-        return devices // self.deployment.unit_devices
-
-
-@dataclass(frozen=True, kw_only=True)
 class PlanResult:
     harness: Harness
     candidates: tuple[Candidate, ...]  # best goodput per GPU first; those that do not fit last
@@ -70,7 +45,7 @@ class PlanResult:
     device_budget: int | None
 
 
-def search(harness: Harness, base: Deployment, space: SearchSpace, progress: Progress | None = None) -> PlanResult:
+def search(harness: Harness, base: DeploymentPlan, space: SearchSpace, progress: Progress | None = None) -> PlanResult:
     note = progress or (lambda _: None)
     colocated = [candidate(harness, dep, note) for dep in _colocated(harness, base, space)]
     ranked = sorted((c for c in colocated if c.fits), key=lambda c: -c.per_device)
@@ -94,7 +69,7 @@ def search(harness: Harness, base: Deployment, space: SearchSpace, progress: Pro
                       device_budget=space.device_budget)
 
 
-def candidate(harness: Harness, dep: Deployment, note: Progress) -> Candidate:
+def candidate(harness: Harness, dep: DeploymentPlan, note: Progress) -> Candidate:
     memory = harness.setting.memory(dep)
     if not memory.fits(harness.load.max_seq_len):
         note(f"{dep.label}: does not fit")
@@ -127,7 +102,7 @@ def _with_targets(harness: Harness, ranked: list[Candidate], space: SearchSpace,
     return out
 
 
-def _colocated(harness: Harness, base: Deployment, space: SearchSpace) -> Iterator[Deployment]:
+def _colocated(harness: Harness, base: DeploymentPlan, space: SearchSpace) -> Iterator[DeploymentPlan]:
     per_node = harness.setting.hardware.devices_per_node
     for tp in space.tps:
         for pp in space.pps:
@@ -138,7 +113,7 @@ def _colocated(harness: Harness, base: Deployment, space: SearchSpace) -> Iterat
                 yield base.with_(parallel=Parallelism(tp, pp, ep=tp), num_prefill=0, num_decode=1)
 
 
-def pd_ratios(harness: Harness, dep: Deployment, count: int = 3) -> list[tuple[int, int]]:
+def pd_ratios(harness: Harness, dep: DeploymentPlan, count: int = 3) -> list[tuple[int, int]]:
     """The `count` P:D ratios (P + D <= MAX_UNIT_INSTANCES) nearest the roofline's prefill : decode time."""
     cost = harness.request_cost(dep)
     balance = cost.prefill_s / cost.decode_s

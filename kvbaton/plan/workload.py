@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from kvbaton.bench.arrivals import ArrivalConfig
-from kvbaton.bench.datasets import DatasetConfig
-from kvbaton.bench.errors import BenchError
-from kvbaton.bench.metrics import SLO
 from kvbaton.config import ConfigError
 from kvbaton.sim.spec import SimRequest
 from kvbaton.sim.workload import synthetic_requests
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.datasets import DatasetConfig
+from kvbaton.workload.errors import WorkloadError
+from kvbaton.workload.metrics import SLO
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +66,7 @@ class Workload:
             return DatasetConfig(name=name, num_prompts=num_prompts, input_len=self.input_len,
                                  output_len=self.output_len, range_ratio=self.range_ratio,
                                  num_prefixes=self.num_prefixes, prefix_len=max(self.prefix_len, 1))
-        except BenchError as exc:
+        except WorkloadError as exc:
             raise ConfigError(str(exc)) from exc
 
     def pool(self, size: int, seed: int) -> RequestPool:

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from kvbaton.server.engine_client import EngineClient
+from kvbaton.server.engine_client import PoolClient
 from kvbaton.server.errors import ApiError
 from kvbaton.server.protocol import AddWorkerRequest
 
@@ -18,7 +18,7 @@ from kvbaton.server.protocol import AddWorkerRequest
 class PoolAdmin:
     """Adds and drains workers, never beyond `max_workers` in all (those starting included)."""
 
-    def __init__(self, client: EngineClient, max_workers: int) -> None:
+    def __init__(self, client: PoolClient, max_workers: int) -> None:
         self.client = client
         self.max_workers = max_workers
         self.num_starting = 0
@@ -48,7 +48,7 @@ class PoolAdmin:
             raise ApiError(409, str(exc), "ConflictError") from exc
 
 
-def add_worker_routes(app: FastAPI, client: EngineClient, max_workers: int) -> None:
+def add_worker_routes(app: FastAPI, client: PoolClient, max_workers: int) -> None:
     admin = PoolAdmin(client, max_workers)
 
     @app.get("/workers")

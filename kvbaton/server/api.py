@@ -24,9 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.errors import EngineError
-from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.router.errors import EngineError
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
 from kvbaton.server.admission import AdmissionController
 from kvbaton.server.choices import merged, request_choices, tool_chunks
@@ -43,10 +42,11 @@ from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvbaton.server.responses import ResponseBuilder, sse
 from kvbaton.server.settings import ServerSettings
-from kvbaton.server.tokenize_routes import add_tokenize_routes
+from kvbaton.server.tokenize_routes import Tokenization, add_tokenize_routes
 from kvbaton.server.tool_calling import ToolCalling, plan_tool_calling
 from kvbaton.server.tool_schemas import ToolSchemaCheck
 from kvbaton.server.tools import inspect_chat_template
+from kvbaton.text.request_output import RequestOutput
 
 DISCONNECT_POLL_S = 0.5
 # A whole response rendering this many logprob entries and tokens or more is built off the event loop: rendering and
@@ -325,7 +325,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     add_worker_routes(app, client, settings.max_workers)
     add_diagnostic_routes(app, client)
     add_kv_session_routes(app, server.kv_sessions)
-    add_tokenize_routes(app, server)
+    add_tokenize_routes(app, Tokenization(server.prompts, server.check_model), settings.api_key)
     return app
 
 

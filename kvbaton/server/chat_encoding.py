@@ -21,8 +21,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.server.errors import ApiError
+from kvbaton.text.tokenizer import Tokenizer
 
 MARKER = "\ue000kvbaton-content-{}\ue001"  # private-use characters: no template or client has a use for them
 

@@ -9,11 +9,11 @@ import dataclasses
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 
-from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.server.responses import ResponseBuilder
 from kvbaton.server.tool_calling import ToolCalling
 from kvbaton.server.tools import ToolCallDelta, ToolStreamParser, chat_finish_reason
+from kvbaton.text.request_output import RequestOutput
 
 
 def tool_chunks(builder: ResponseBuilder, index: int, out: RequestOutput, parser: ToolStreamParser,

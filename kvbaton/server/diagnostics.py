@@ -52,7 +52,7 @@ class ProfileProbeRequest(BaseModel):
 
 class Diagnostics(Protocol):
     """What the routes need of a deployment's diagnostics (the router's `diagnostics`, see
-    `kvbaton.disagg.diagnostics`). The probes raise an `EngineError` whose status is 409 while another runs,
+    `kvbaton.router.diagnostics`). The probes raise an `EngineError` whose status is 409 while another runs,
     and KeyError naming the workers asked for that are not in the pool."""
 
     def routing(self) -> dict[str, Any]: ...

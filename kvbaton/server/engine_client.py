@@ -1,8 +1,11 @@
-"""What the HTTP server needs of the engines behind it: the one interface every deployment offers.
+"""What the HTTP server needs of the engines behind it: the one interface every deployment offers, in two parts.
 
-`kvbaton.disagg.router.Router` implements it for every deployment (colocated is a router over one
-worker of role `both`), so the server has one code path; a test can implement it too. The server
-imports this protocol, never the router.
+- `RequestClient`: requests in, outputs out (`/v1/*`, `/health`, `/metrics`, the KV sessions' prefills);
+- `PoolClient`: the pool behind it (`GET /workers`, `/experts`, the admin endpoints).
+
+`EngineClient` is both. `kvbaton.router.router.Router` implements it for every deployment (colocated is a router
+over one worker of role `both`), so the server has one code path; a test can implement either part. Each route
+module takes the part it uses. The server imports these protocols, never the router.
 """
 
 from __future__ import annotations
@@ -10,14 +13,14 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Callable
 from typing import Any, Protocol
 
-from kvbaton.engine.info import EngineInfo, EngineStats
-from kvbaton.engine.request_output import RequestOutput
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.kv.store.session import StoreTarget
+from kvbaton.sched.info import EngineInfo, EngineStats
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.request_output import RequestOutput
+from kvbaton.text.tokenizer import Tokenizer
 
 
-class EngineClient(Protocol):
+class RequestClient(Protocol):
     """Contract:
     - `validate` raises InvalidRequestError (its `param` naming the field) for a request no engine could run.
     - `generate` validates first (InvalidRequestError, nothing sent), then yields the request's
@@ -27,8 +30,6 @@ class EngineClient(Protocol):
       `RequestTimeoutError`), whose message says why and whose class says the HTTP status.
     - `info` is valid once the client is started; `stats` are the last reported, summed over the
       engines that decode.
-    - The pool methods raise KeyError for an unknown worker and ValueError for a refused change
-      (e.g. draining the last worker of a role).
     """
 
     tokenizer: Tokenizer
@@ -61,7 +62,10 @@ class EngineClient(Protocol):
 
     def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None: ...
 
-    # ---- the pool behind it (GET /workers, the admin endpoints) ----
+
+class PoolClient(Protocol):
+    """The pool behind the requests. Its methods raise KeyError for an unknown worker and ValueError for a refused
+    change (e.g. draining the last worker of a role)."""
 
     def workers_view(self) -> list[dict[str, Any]]: ...
 
@@ -81,3 +85,7 @@ class EngineClient(Protocol):
         ...
 
     async def shutdown(self, timeout_s: float = 10.0) -> None: ...
+
+
+class EngineClient(RequestClient, PoolClient, Protocol):
+    """Both parts: what the app is built over (`server/api.py:build_app`)."""

@@ -14,8 +14,8 @@ from typing import NamedTuple
 from fastapi.responses import JSONResponse
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.errors import EngineError
-from kvbaton.engine.sampling_params import InvalidRequestError
+from kvbaton.router.errors import EngineError
+from kvbaton.sched.sampling_params import InvalidRequestError
 from kvbaton.server.protocol import error_body
 from kvbaton.server.responses import sse
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvbaton.engine.sampling_params import InvalidRequestError
 from kvbaton.engine.structured.grammar import GrammarCompiler
-from kvbaton.engine.structured.spec import StructuredOutput
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.sched.grammar_spec import StructuredOutput
+from kvbaton.sched.sampling_params import InvalidRequestError
+from kvbaton.text.tokenizer import Tokenizer
 
 
 class GrammarCheck:

@@ -17,7 +17,6 @@ import time
 
 from fastapi import FastAPI, Request, Response
 
-from kvbaton.engine.sampling_params import SamplingParams
 from kvbaton.kv.store.base import KVTier
 from kvbaton.kv.store.keys import StoreKeys, model_fingerprint
 from kvbaton.kv.store.records import RecordKey
@@ -30,6 +29,7 @@ from kvbaton.kv.store.session import (
     session_keys,
 )
 from kvbaton.kv.store.tiers import SHARED_TIERS, open_tier
+from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.server.engine_client import EngineClient
 from kvbaton.server.errors import ApiError
 from kvbaton.server.prompts import PromptEncoder

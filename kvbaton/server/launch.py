@@ -19,13 +19,13 @@ from kvbaton.cluster import janitor
 from kvbaton.cluster.autoscale_policy import AutoscaleConfig, check_deployment
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import ConfigError, EngineConfig
-from kvbaton.disagg.router import Router
-from kvbaton.disagg.worker_pool import WorkerPool
-from kvbaton.engine.generation_config import AUTO, load_generation_defaults
-from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
+from kvbaton.router.router import Router
+from kvbaton.router.worker_pool import WorkerPool
 from kvbaton.server.admission import AdmissionLimits
 from kvbaton.server.settings import ServerSettings
+from kvbaton.text.generation_config import AUTO, load_generation_defaults
+from kvbaton.text.tokenizer import Tokenizer
 from kvbaton.wire import SECRET_ENV, cluster_secret
 
 if TYPE_CHECKING:

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvbaton.cluster.autoscale_policy import Action, Decision, Measurements
 from kvbaton.cluster.autoscale_threshold import ThresholdDecision
-from kvbaton.engine.info import EngineStats
-from kvbaton.engine.request_output import RequestOutput
+from kvbaton.sched.info import EngineStats
+from kvbaton.text.request_output import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.server.errors import ApiError
 
 MAX_TOP_LOGPROBS = 20  # the API's own bound on logprobs / top_logprobs / prompt_logprobs

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TypeVar
 
-from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.server.chat_encoding import ChatEncoder
 from kvbaton.server.errors import ApiError
+from kvbaton.text.tokenizer import Tokenizer
 
 PROMPT_THREADS = 2
 T = TypeVar("T")

@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
 
-from kvbaton.engine.info import MAX_STOP_TOKEN_IDS
-from kvbaton.engine.sampling_params import (
+from kvbaton.sched.grammar_spec import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
+from kvbaton.sched.info import MAX_STOP_TOKEN_IDS
+from kvbaton.sched.sampling_params import (
     INT32_MAX,
     INT64_MAX,
     INT64_MIN,
@@ -30,7 +31,6 @@ from kvbaton.engine.sampling_params import (
     InvalidRequestError,
     SamplingParams,
 )
-from kvbaton.engine.structured.spec import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
 from kvbaton.server.tools import ToolFields, ToolMessageFields
 from kvbaton.server.tools.scan import MAX_JSON_DEPTH, loads_json, nesting_depth
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbaton.engine.request_output import CompletionOutput, Logprob, RequestOutput
+from kvbaton.text.request_output import CompletionOutput, Logprob, RequestOutput
 
 
 def sse(payload: dict | str) -> str:

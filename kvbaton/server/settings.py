@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.generation_config import GenerationDefaults
-from kvbaton.engine.sampling_params import INT64_MAX, MAX_N
+from kvbaton.sched.sampling_params import INT64_MAX, MAX_N
 from kvbaton.server.admission import AdmissionLimits
+from kvbaton.text.generation_config import GenerationDefaults
 
 KEYED_PRIORITY_RANGE = 10**6  # client priorities behind an API key, unless --max-priority-range says otherwise
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
@@ -24,9 +24,6 @@ from kvbaton.server.errors import ApiError
 from kvbaton.server.guards import bearer_matches
 from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatMessage, TokenIds, utf8_text
-
-if TYPE_CHECKING:
-    from kvbaton.server.api import OpenAIServer
 
 
 class TokenizeRequest(BaseModel):
@@ -98,14 +95,14 @@ def _clipped(value: int) -> str:
     return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} digits)"
 
 
-def add_tokenize_routes(app: FastAPI, server: OpenAIServer) -> None:
-    work = Tokenization(server.prompts, server.check_model)
+def add_tokenize_routes(app: FastAPI, work: Tokenization, api_key: str | None) -> None:
+    """`/tokenize`, `/detokenize` (behind the API key) and `/version` on `app`, doing `work`."""
     # NOTE: vLLM checks --api-key only on paths under /v1, so its /tokenize and /detokenize are open to
     # anyone who reaches the port. Here they need the key: they run the chat template and the tokenizer on
     # up to --max-request-bytes of text in the same two threads that encode prompts for generation, so an
     # unauthenticated client could slow every authorized request. /version stays open, as /health and
     # /metrics do: it costs nothing and tells a probe what is running.
-    keyed = _key_required(server.settings.api_key)
+    keyed = _key_required(api_key)
 
     @app.post("/tokenize", dependencies=keyed)
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbaton.engine.structured.spec import StructuredOutput
+from kvbaton.sched.grammar_spec import StructuredOutput
 from kvbaton.server.tools import (
     NamedToolChoice,
     RenderedChat,

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvbaton.bench.metrics import SLO, summarize
-from kvbaton.bench.records import RunResult
 from kvbaton.sim.host import BUCKET_NAMES, BySize, HostOverhead, ServedSteps, prompt_bucket
+from kvbaton.workload.metrics import SLO, summarize
+from kvbaton.workload.records import RunResult
 
 
 @dataclass(frozen=True, kw_only=True)

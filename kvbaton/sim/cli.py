@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from kvbaton.bench.cli import add_dataset_args, add_load_args, add_output_args
+from kvbaton.workload.flags import add_dataset_args, add_load_args, add_output_args
 
 if TYPE_CHECKING:
     from kvbaton.sim.profiled import ProfileFit
@@ -112,9 +112,9 @@ def _add_instance_args(g: argparse._ArgumentGroup) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run a parsed `sim run` or `sim calibrate`; user errors print one line and return 2."""
-    from kvbaton.bench.errors import BenchError
     from kvbaton.config import ConfigError
     from kvbaton.sim.run import run_calibration, run_simulation
+    from kvbaton.workload.errors import WorkloadError
 
     try:
         if args.sim_command == "refit":
@@ -122,7 +122,7 @@ def main(args: argparse.Namespace) -> int:
         if args.sim_command == "fit-steps":
             return _fit_steps(args)
         return run_calibration(args) if args.sim_command == "calibrate" else run_simulation(args)
-    except (BenchError, ConfigError, ValueError, OSError) as exc:
+    except (WorkloadError, ConfigError, ValueError, OSError) as exc:
         print(f"kvbaton sim: error: {exc}", file=sys.stderr)
         return 2
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvbaton.bench.records import RequestRecord
 from kvbaton.sim.spec import SimRequest
+from kvbaton.workload.records import RequestRecord
 
 if TYPE_CHECKING:
     from kvbaton.sim.instance import Reservation, SimInstance
 
 
 @dataclass
-class Flight:
+class SimFlight:
     req: SimRequest
     arrival_s: float
-    status: str = "running"  # then one of kvbaton.bench.records.STATUSES
+    status: str = "running"  # then one of kvbaton.workload.records.STATUSES
     error: str = ""
     token_s: list[float] = field(default_factory=list)  # when each output token reached the client
     end_s: float | None = None

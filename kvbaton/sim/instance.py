@@ -12,12 +12,12 @@ import math
 import random
 from dataclasses import dataclass
 
-from kvbaton.engine.kv_cache_manager import KVCacheManager
-from kvbaton.engine.outputs import EngineCoreOutput, ModelOutput, RemoteDecode, SchedulerOutput
-from kvbaton.engine.request import Request
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.scheduler import Scheduler
 from kvbaton.kv.layout import KVLayout
+from kvbaton.sched.kv_cache_manager import KVCacheManager
+from kvbaton.sched.outputs import EngineCoreOutput, ModelOutput, RemoteDecode, SchedulerOutput
+from kvbaton.sched.request import Request
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.sched.scheduler import Scheduler
 from kvbaton.sim.host import IDENTITY, ServedSteps
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.spec import InstanceSpec
@@ -85,13 +85,13 @@ class SimInstance:
         self.num_decode_steps = 0
         self.num_decode_seqs = 0
 
-    # ---- what the router reads (kvbaton.disagg.policies.Candidate) ---------------------------
+    # ---- what the router reads (kvbaton.router.policies.Candidate) ---------------------------
 
     @property
     def load_score(self) -> float:
         """As the real router's WorkerHandle.load_score: requests here, KV being received, in flight, usage."""
         s = self.scheduler
-        return s.num_running + s.num_waiting + len(s.receiving) + len(self.attempts) + self.kv_cache.usage()
+        return s.num_running + s.num_waiting + s.num_receiving + len(self.attempts) + self.kv_cache.usage()
 
     @property
     def busy(self) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvbaton.engine.step_shape import StepShape
+from kvbaton.sched.step_shape import StepShape
 
 __all__ = ["LinearLatency", "StepLatencyModel", "StepShape"]  # StepShape lives with the engine, which traces it
 

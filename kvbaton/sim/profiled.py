@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.outputs import ScheduledRequest
+from kvbaton.sched.outputs import ScheduledRequest
 from kvbaton.sim.latency import StepShape
 
 # Where the hinge may go: the knees a CPU engine shows are where its linears change kernels or leave

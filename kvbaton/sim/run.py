@@ -14,12 +14,6 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from kvbaton.bench.arrivals import ArrivalConfig
-from kvbaton.bench.cli import fresh_seed, parse_rates
-from kvbaton.bench.metrics import SLO, Summary, summarize
-from kvbaton.bench.records import RunResult
-from kvbaton.bench.report import print_report, rate_label, result_document, write_result_json
-from kvbaton.bench.serve import dataset_config
 from kvbaton.config import ConfigError, SchedulerConfig
 from kvbaton.sim.calibrate import calibrate
 from kvbaton.sim.host import HostOverhead
@@ -28,6 +22,11 @@ from kvbaton.sim.links import LinkModel, link_preset
 from kvbaton.sim.simulator import SimRun, simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec, SimRequest
 from kvbaton.sim.workload import synthetic_requests, trace_medians, trace_requests, trace_ttfts
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.flags import dataset_config, fresh_seed, parse_rates
+from kvbaton.workload.metrics import SLO, Summary, summarize
+from kvbaton.workload.records import RunResult
+from kvbaton.workload.report import print_report, rate_label, result_document, write_result_json
 
 
 def run_simulation(args: argparse.Namespace) -> int:
@@ -176,7 +175,7 @@ def _write_outputs(args: argparse.Namespace, cluster: ClusterSpec, seed: int, re
         write_result_json(args.result_json, result_document(config, results, summaries))
         console.print(f"results: {args.result_json}")
     if args.plot_dir:
-        from kvbaton.bench.plots import write_plots
+        from kvbaton.workload.plots import write_plots
 
         for path in write_plots(args.plot_dir, results, summaries, slo):
             console.print(f"plot: {path}")

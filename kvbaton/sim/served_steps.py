@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvbaton.engine.step_shape import StepShape
-from kvbaton.engine.step_trace import PROFILE_FORMAT, TRACE_FORMAT
+from kvbaton.sched.step_shape import StepShape
+from kvbaton.sched.step_trace import PROFILE_FORMAT, TRACE_FORMAT
 from kvbaton.sim.host import BUCKET_NAMES, BySize, ServedSteps, prompt_bucket, quantiles
 from kvbaton.sim.latency import StepLatencyModel
 from kvbaton.sim.profiled import ProfiledLatency, ProfileError, ProfileSample

@@ -28,16 +28,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvbaton.bench.records import RequestRecord, RunResult
-from kvbaton.disagg.policies import Policy, make_policy
-from kvbaton.engine.info import EngineInfo, validate_request
-from kvbaton.engine.outputs import EngineCoreOutput, FinishReason, RemoteDecode
-from kvbaton.engine.request import Request
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.router.policies import Policy, make_policy
+from kvbaton.sched.info import EngineInfo, validate_request
+from kvbaton.sched.outputs import EngineCoreOutput, FinishReason, RemoteDecode
+from kvbaton.sched.request import Request
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admission import AdmissionController, AdmissionLimits
-from kvbaton.sim.flight import Flight
+from kvbaton.sim.flight import SimFlight
 from kvbaton.sim.instance import PLACEHOLDER_TOKEN, ArrivalClock, Reservation, SimInstance, remote_decode, sim_request
 from kvbaton.sim.spec import ClusterSpec, SimRequest
+from kvbaton.workload.records import RequestRecord, RunResult
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,11 +106,12 @@ class _Simulation:
         self.info = EngineInfo(max_model_len=spec.max_model_len, vocab_size=2**31 - 1, num_blocks=spec.num_blocks,
                                block_size=spec.block_size, max_num_batched_tokens=spec.scheduler.max_num_batched_tokens,
                                enable_chunked_prefill=spec.scheduler.enable_chunked_prefill, eos_token_ids=())
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, SimFlight] = {}
         self.clock = ArrivalClock()
         self.dispatch_rng = random.Random(f"{seed}/dispatch")
-        self.waiting_receives: dict[str, deque[Flight]] = {d.name: deque() for d in self.decoders}  # refused: no room
-        self.pending_receives: dict[str, list[Flight]] = {d.name: [] for d in self.decoders}  # its step in flight
+        # refused for want of room:
+        self.waiting_receives: dict[str, deque[SimFlight]] = {d.name: deque() for d in self.decoders}
+        self.pending_receives: dict[str, list[SimFlight]] = {d.name: [] for d in self.decoders}  # its step in flight
         self.counters = {"disaggregated": 0, "local": 0, "refused_receives": 0, "rejected": 0, "invalid": 0}
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -157,7 +158,7 @@ class _Simulation:
     # ---- arrival and routing -----------------------------------------------------------------------
 
     def arrive(self, req: SimRequest) -> None:
-        flight = Flight(req, arrival_s=self.now)
+        flight = SimFlight(req, arrival_s=self.now)
         self.flights[flight.id] = flight
         problem = self._invalid(req)
         if problem is not None:
@@ -183,7 +184,7 @@ class _Simulation:
             return str(exc)
         return None
 
-    def dispatch(self, flight: Flight) -> None:
+    def dispatch(self, flight: SimFlight) -> None:
         prompt = list(flight.req.prompt_token_ids)
         decode = self.decode_policy.pick(self.decoders, prompt)
         self.decode_policy.note_routed(decode.name, prompt)
@@ -193,13 +194,13 @@ class _Simulation:
         else:
             self.run_locally(flight)
 
-    def run_locally(self, flight: Flight) -> None:
+    def run_locally(self, flight: SimFlight) -> None:
         assert flight.decode is not None
         self.counters["local"] += 1
         flight.decode.add(self.request(flight))
         self.kick(flight.decode)
 
-    def prepare_receive(self, flight: Flight) -> None:
+    def prepare_receive(self, flight: SimFlight) -> None:
         """The decode instance reserves blocks for the prompt's KV, or the flight waits for room there. A busy
         instance reserves at the end of its step: a worker reads its commands between steps."""
         decode = flight.decode
@@ -214,7 +215,7 @@ class _Simulation:
             return
         self.start_prefill(flight, reservation)
 
-    def start_prefill(self, flight: Flight, reservation: Reservation) -> None:
+    def start_prefill(self, flight: SimFlight, reservation: Reservation) -> None:
         decode = flight.decode
         assert decode is not None
         prompt = flight.req.prompt_token_ids
@@ -232,7 +233,7 @@ class _Simulation:
         prefill.add(self.request(flight, remote))
         self.kick(prefill)
 
-    def request(self, flight: Flight, remote: RemoteDecode | None = None) -> Request:
+    def request(self, flight: SimFlight, remote: RemoteDecode | None = None) -> Request:
         """The engine request of `flight`'s current attempt, stamped as a worker would stamp it on receipt."""
         return sim_request(flight.id, flight.req.prompt_token_ids, flight.req.output_len, self.clock.stamp(self.now),
                            remote)
@@ -290,7 +291,7 @@ class _Simulation:
 
     # ---- the KV handoff -------------------------------------------------------------------------------
 
-    def start_transfer(self, flight: Flight, last_step_s: float) -> None:
+    def start_transfer(self, flight: SimFlight, last_step_s: float) -> None:
         assert flight.reservation is not None
         spec, link = self.cluster.prefill_instance, self.cluster.link
         num_tokens = len(flight.req.prompt_token_ids) - flight.reservation.num_cached_tokens
@@ -299,7 +300,7 @@ class _Simulation:
             seconds = link.latency_us * 1e-6 + max(0.0, seconds - link.latency_us * 1e-6 - last_step_s)
         self.at(self.now + seconds, lambda: self.transfer_landed(flight))
 
-    def transfer_landed(self, flight: Flight) -> None:
+    def transfer_landed(self, flight: SimFlight) -> None:
         prefill, decode = flight.prefill, flight.decode
         assert prefill is not None and decode is not None
         prefill.scheduler.release_held(flight.id)
@@ -308,7 +309,7 @@ class _Simulation:
         decode.scheduler.admit_transferred(flight.id, PLACEHOLDER_TOKEN)
         self.kick(decode)
 
-    def finish(self, flight: Flight) -> None:
+    def finish(self, flight: SimFlight) -> None:
         self.admission.started(flight.id)
         flight.status = "ok"
         flight.end_s = self.now

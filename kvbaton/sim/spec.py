@@ -50,7 +50,7 @@ class ClusterSpec:
     # The KV of each layer leaves while later layers compute (kvbaton's prefill workers do), so only
     # what the link cannot hide behind the last prefill chunk adds to the handoff.
     layerwise_transfer: bool = True
-    prefill_policy: str = "least_loaded"  # kvbaton.disagg.policies.POLICIES
+    prefill_policy: str = "least_loaded"  # kvbaton.router.policies.POLICIES
     decode_policy: str = "least_loaded"
     local_prefill_threshold: int = 64  # prompts with fewer uncached tokens prefill on the decode instance
     max_waiting_requests: int = 256  # the server's admission control: refused (503) beyond this

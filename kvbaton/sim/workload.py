@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvbaton.bench.arrivals import ArrivalConfig, arrival_offsets
-from kvbaton.bench.datasets import DatasetConfig, WordPrompts, build_requests
 from kvbaton.config import ConfigError
 from kvbaton.sim.spec import SimRequest
+from kvbaton.workload.arrivals import ArrivalConfig, arrival_offsets
+from kvbaton.workload.datasets import DatasetConfig, WordPrompts, build_requests
 
 VOCAB = 49152  # token ids are drawn below this (the default model's vocabulary size; any size works)
 

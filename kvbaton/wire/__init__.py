@@ -1,6 +1,6 @@
 """The bottom of the process stack: typed frames between kvbaton processes, and the thread that owns
 their sockets (`SignedCodec`; `SequencedCodec` where replays matter), and the sockets' optional CURVE
-encryption (`curve`). Used by `kv` (transports), `engine` and `disagg` (router <-> worker); imports
+encryption (`curve`). Used by `kv` (transports), `engine`, `router` and `worker` (router <-> worker); imports
 none of them.
 """
 

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from kvbaton.bench.client import Target, send_request
-from kvbaton.bench.datasets import BenchRequest
-from kvbaton.bench.errors import BenchError
+from kvbaton.workload.datasets import BenchRequest
+from kvbaton.workload.errors import WorkloadError
 
 REQ = BenchRequest(0, "hello there", 2, 3, system="be brief", group=0)
 
@@ -49,9 +49,9 @@ def test_payload_for_completions_and_chat():
 
 
 def test_target_validation():
-    with pytest.raises(BenchError):
+    with pytest.raises(WorkloadError):
         Target("http://h", "/v1/embeddings", "m")
-    with pytest.raises(BenchError):
+    with pytest.raises(WorkloadError):
         Target("127.0.0.1:8000", "/v1/completions", "m")
 
 

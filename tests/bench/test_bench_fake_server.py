@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from kvbaton.bench.arrivals import ArrivalConfig
 from kvbaton.bench.cli import run
 from kvbaton.bench.client import Target, fetch_model_name
-from kvbaton.bench.datasets import DatasetConfig, WordPrompts, build_requests
 from kvbaton.bench.runner import run_load
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.datasets import DatasetConfig, WordPrompts, build_requests
 from tests.support.fake_openai_server import MODEL, FakeOpenAIServer
 
 

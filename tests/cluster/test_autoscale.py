@@ -30,10 +30,10 @@ from kvbaton.cluster.autoscale_policy import (
 from kvbaton.cluster.autoscale_threshold import threshold_decision
 from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample, RoleLoad, p99
 from kvbaton.config import ConfigError
-from kvbaton.disagg.flight import Flight
-from kvbaton.engine.info import DecodeStepTimes
-from kvbaton.engine.request_output import CompletionOutput, RequestMetrics, RequestOutput
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.router.flight import Flight
+from kvbaton.sched.info import DecodeStepTimes
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.request_output import CompletionOutput, RequestMetrics, RequestOutput
 
 CONFIG = AutoscaleConfig(slo_ttft_s=1.0, slo_tpot_s=0.1, interval_s=1.0, cooldown_s=5.0, window_s=10.0)
 

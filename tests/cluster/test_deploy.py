@@ -11,9 +11,9 @@ import pytest
 
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import EngineConfig
-from kvbaton.disagg.router import RouterConfig
-from kvbaton.engine.errors import EngineDeadError
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.router.errors import EngineDeadError
+from kvbaton.router.router import RouterConfig
+from kvbaton.text.tokenizer import Tokenizer
 from tests.support.procs import child_pids, pid_alive
 
 

@@ -1,4 +1,4 @@
-"""Both launchers implement `kvbaton.disagg.launcher.Launcher`, method for method (no cluster needed)."""
+"""Both launchers implement `kvbaton.router.launcher.Launcher`, method for method (no cluster needed)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from kvbaton.cluster.local import LocalLauncher, LocalWorker
 from kvbaton.cluster.ray import RayLauncher
 from kvbaton.cluster.worker_env import worker_env
 from kvbaton.config import EngineConfig
-from kvbaton.disagg.launcher import Launcher
-from kvbaton.disagg.spec import SPEC_ENV, WorkerRole, WorkerSpec
+from kvbaton.messages.worker_spec import SPEC_ENV, WorkerRole, WorkerSpec
+from kvbaton.router.launcher import Launcher
 from kvbaton.wire import SECRET_ENV
 
 SECRET = b"0123456789abcdef0123"

@@ -30,8 +30,8 @@ from kvbaton.cluster.ray import (
 )
 from kvbaton.cluster.ray.actor import _Secret
 from kvbaton.config import CacheConfig, EngineConfig
-from kvbaton.disagg.messages import FromWorker, Shutdown, WorkerHello
-from kvbaton.disagg.spec import ROUTER_NAME, ConnectorSpec, WorkerRole, WorkerSpec
+from kvbaton.messages.router_worker import FromWorker, Shutdown, WorkerHello
+from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, WorkerRole, WorkerSpec
 from kvbaton.wire import Peer, SequencedCodec, cluster_secret
 from tests.support.helpers import TINY_VOCAB
 from tests.support.wait import async_wait_until
@@ -237,7 +237,7 @@ import json, sys
 import ray
 from kvbaton.cluster.ray import RayLauncher
 from kvbaton.config import EngineConfig
-from kvbaton.disagg.spec import WorkerRole, WorkerSpec
+from kvbaton.messages.worker_spec import WorkerRole, WorkerSpec
 launcher = RayLauncher(b"0123456789abcdef0123", address=sys.argv[1])
 host = launcher.start()
 address = launcher.gcs_address
@@ -370,10 +370,10 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
 def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
     import asyncio
 
-    from kvbaton.disagg.router import Router
-    from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
-    from kvbaton.engine.sampling_params import SamplingParams
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.router.router import Router
+    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
+    from kvbaton.sched.sampling_params import SamplingParams
+    from kvbaton.text.tokenizer import Tokenizer
     from tests.support.helpers import hf_greedy
 
     model = tiny_models["llama"]
@@ -422,10 +422,10 @@ def test_expert_parallel_groups_through_ray(launcher, tiny_moe_models):
     """1P(EP2) + 1D(EP2): each group's two ranks in one PACK placement group (a bundle each), serving."""
     import asyncio
 
-    from kvbaton.disagg.router import Router, RouterConfig
-    from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
-    from kvbaton.engine.sampling_params import SamplingParams
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.router.router import Router, RouterConfig
+    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
+    from kvbaton.sched.sampling_params import SamplingParams
+    from kvbaton.text.tokenizer import Tokenizer
     from tests.support.helpers import hf_greedy
 
     model = tiny_moe_models["qwen3_moe"]

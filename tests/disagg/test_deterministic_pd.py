@@ -11,7 +11,7 @@ import pytest
 
 from kvbaton import LLM
 from kvbaton.config import CacheConfig
-from kvbaton.disagg.flight import Phase
+from kvbaton.router.flight import Phase
 from tests.support.helpers import deterministic_prompts, greedy
 from tests.support.pd import collect, kill_when, router_over, run
 from tests.support.wait import async_wait_until

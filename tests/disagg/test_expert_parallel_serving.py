@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvbaton.disagg.flight import Phase
+from kvbaton.router.flight import Phase
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
 from tests.support.procs import listening_addresses

@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 
 from kvbaton.cluster.local import LocalLauncher
 from kvbaton.config import CacheConfig, EngineConfig
-from kvbaton.disagg.messages import AbortRequests, Drain, FromWorker, Heartbeat, WorkerHello, WorkerOutputs
-from kvbaton.disagg.router import Router, RouterConfig
-from kvbaton.disagg.spec import ROUTER_NAME, ConnectorSpec, WorkerSpec
-from kvbaton.disagg.worker_pool import PoolConfig, WorkerPool
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.messages.router_worker import AbortRequests, Drain, FromWorker, Heartbeat, WorkerHello, WorkerOutputs
+from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, WorkerSpec
+from kvbaton.router.router import Router, RouterConfig
+from kvbaton.router.worker_pool import PoolConfig, WorkerPool
+from kvbaton.text.tokenizer import Tokenizer
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec
 from tests.support.helpers import tiny_prompts
 from tests.support.pd import collect

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvbaton.disagg.flight import Phase
+from kvbaton.router.flight import Phase
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
 from tests.support.wait import async_wait_until

@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from kvbaton.disagg.messages import AddRequest
-from kvbaton.engine.errors import RequestFailedError, RequestTimeoutError
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.messages.router_worker import AddRequest
+from kvbaton.router.errors import RequestFailedError, RequestTimeoutError
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.text.tokenizer import Tokenizer
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
 

@@ -59,8 +59,8 @@ def test_stop_string_ends_the_request_on_the_worker_and_leaves_nothing_behind(ti
     """The router sees the stop string in the detokenized stream, finishes the client's request and
     aborts it on the worker; outputs the worker produced meanwhile are dropped (not processed for a
     request whose state is gone), and the router keeps serving."""
-    from kvbaton.engine.sampling_params import SamplingParams
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.sched.sampling_params import SamplingParams
+    from kvbaton.text.tokenizer import Tokenizer
 
     prompt = tiny_prompts(5, [9])[0]
     reference = hf_greedy(tiny_llama, [prompt], 40)[0]

@@ -14,10 +14,10 @@ import pytest
 
 from kvbaton import LLM
 from kvbaton.config import CacheConfig
-from kvbaton.disagg.flight import Phase
-from kvbaton.disagg.router import Router
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.structured.spec import StructuredOutput
+from kvbaton.router.flight import Phase
+from kvbaton.router.router import Router
+from kvbaton.sched.grammar_spec import StructuredOutput
+from kvbaton.sched.sampling_params import SamplingParams
 from tests.support.pd import kill_when, router_over, run
 from tests.support.wait import async_wait_until
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from kvbaton.disagg.messages import Shutdown, ToWorker
+from kvbaton.messages.router_worker import Shutdown, ToWorker
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, SignedCodec
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run

@@ -15,8 +15,8 @@ from kvbaton.doctor.findings import (
     ranked,
     routing_findings,
 )
-from kvbaton.engine.request_output import CompletionOutput, RequestOutput
 from kvbaton.server.metrics import ServerMetrics
+from kvbaton.text.request_output import CompletionOutput, RequestOutput
 
 
 def _finished(num_prompt_tokens: int) -> RequestOutput:

@@ -11,7 +11,7 @@ import torch
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.config import ConfigError
-from kvbaton.engine.sampling_params import InvalidRequestError
+from kvbaton.sched.sampling_params import InvalidRequestError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvbaton.engine.sampler import SamplingRow, sample
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 
 V = 50  # vocab size
 

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
 
 from kvbaton import LLM
 from kvbaton.engine.sampler import SamplingRow, add_logit_bias, apply_penalties, apply_token_bitmask, warped_logits
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import SamplingParams
 from tests.support.helpers import TINY_VOCAB, hf_greedy, hf_logits
 
 V = 64

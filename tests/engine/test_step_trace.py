@@ -9,8 +9,8 @@ import pytest
 
 from kvbaton.cli import main
 from kvbaton.engine.llm import LLM
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.step_trace import TRACE_FORMAT, StepTrace
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.sched.step_trace import TRACE_FORMAT, StepTrace
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.profiled import ProfiledLatency
 

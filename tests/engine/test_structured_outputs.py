@@ -17,12 +17,12 @@ import llguidance
 import pytest
 
 from kvbaton import LLM
-from kvbaton.engine.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.engine.structured.admission import GrammarAdmission
 from kvbaton.engine.structured.grammar import GrammarCompiler
 from kvbaton.engine.structured.matchers import GrammarMatchers
-from kvbaton.engine.structured.spec import StructuredOutput
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.sched.grammar_spec import StructuredOutput
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
+from kvbaton.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbaton.disagg.flight import Phase
-from kvbaton.engine.errors import EngineError
+from kvbaton.router.errors import EngineError
+from kvbaton.router.flight import Phase
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import assert_pools_clean, collect, kill_when, router_over, run
 from tests.support.wait import async_wait_until

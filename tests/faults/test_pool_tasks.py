@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from kvbaton.engine.errors import EngineDeadError
+from kvbaton.router.errors import EngineDeadError
 from tests.support.helpers import tiny_prompts
 from tests.support.pd import collect, router_over, run
 from tests.support.procs import pid_alive

@@ -128,9 +128,9 @@ _DOCUMENT: dict[str, dict] = {}
 async def _built_document() -> dict:
     from kvbaton.cluster.deploy import DeploymentSpec, deploy
     from kvbaton.config import EngineConfig
-    from kvbaton.engine.tokenizer import Tokenizer
     from kvbaton.models.registry import pull_default_model
     from kvbaton.server.api import ServerSettings, build_app
+    from kvbaton.text.tokenizer import Tokenizer
 
     model_dir = str(pull_default_model())
     deployment = await deploy(EngineConfig(model=model_dir, dtype="float32", max_model_len=1024),

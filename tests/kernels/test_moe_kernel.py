@@ -30,7 +30,7 @@ from kvbaton.kernels.moe import (
 )
 from kvbaton.layers.compute_paths import MOE_KERNEL_ENV
 from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
-from kvbaton.layers.moe.router import TopKRouter
+from kvbaton.layers.moe.gate import TopKGate
 from kvbaton.platform.cpu import detect_cpu
 from tests.support.helpers import TINY_VOCAB
 
@@ -162,12 +162,12 @@ def test_batch_invariant_where_promised(isa, amx_min_rows):
 @pytest.mark.parametrize("isa", [p.values[0] for p in ISAS[:2]] if CPU.avx512_bf16 else [ISA_AVX2])
 @pytest.mark.parametrize("experts, k, renormalize", [(64, 8, True), (8, 2, False), (60, 4, True)])
 def test_gate_kernel_matches_the_softmax_router(isa, experts, k, renormalize):
-    """Logits, softmax, top-k (and renormalization) in one call: the same choices as TopKRouter's PyTorch path
+    """Logits, softmax, top-k (and renormalization) in one call: the same choices as TopKGate's PyTorch path
     for every token whose k-th and next probabilities are apart (the two round the logits' sums differently),
     weights within a bf16 step of the logits."""
     torch.manual_seed(experts + k)
     moe_cfg = MoEConfig(num_experts=experts, top_k=k, intermediate_size=32, norm_topk_prob=renormalize)
-    router = TopKRouter(H, moe_cfg).bfloat16().requires_grad_(False)
+    router = TopKGate(H, moe_cfg).bfloat16().requires_grad_(False)
     router.weight.normal_(0, 0.1)
     x = torch.randn(300, H).bfloat16()
     expected_w, expected_ids = router(x)

@@ -11,10 +11,10 @@ import torch
 
 from kvbaton.config import CacheConfig, EngineConfig, ModelConfig
 from kvbaton.engine.core import EngineCore
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.tokenizer import eos_token_ids
 from kvbaton.kernels.linear import AMXLinear, PackedLinear
 from kvbaton.kernels.pack_cache import PackCache, prune
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.tokenizer import eos_token_ids
 
 KEY = {"model": "m", "plan": "p"}
 

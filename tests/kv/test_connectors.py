@@ -22,7 +22,7 @@ from kvbaton.kv.connectors import ConnectorConfig, make_sender, pool_allocator
 from kvbaton.kv.connectors.shm import ShmLayer
 from kvbaton.kv.connectors.shm.segments import SHM_DIR
 from kvbaton.kv.connectors.tcp import TcpLayer
-from kvbaton.kv.connectors.zmq import Ack
+from kvbaton.kv.connectors.zmq_control import Ack
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.rows import copy_rows
 from kvbaton.wire import SignedCodec

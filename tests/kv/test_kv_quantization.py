@@ -76,7 +76,7 @@ def test_a_quantized_token_costs_at_most_55_percent_of_bf16(kind):
 
 @pytest.fixture(scope="module")
 def text_ids(default_model_dir) -> list[int]:
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     return Tokenizer(default_model_dir).encode(TEXT.read_text())
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvbaton.kv.connectors import TRANSPORTS, KVSender, TransferSpec
-from kvbaton.kv.connectors.zmq import NOT_EXPECTING
+from kvbaton.kv.connectors.zmq_control import NOT_EXPECTING
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
 from tests.kv import kv_receiver_peer as receiver_peer
 from tests.kv.kv_peer import BLOCK, BLOCKS, DIM, HEADS, LAYERS, seeded_pools

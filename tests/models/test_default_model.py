@@ -21,7 +21,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def prompts(default_model_dir):
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]

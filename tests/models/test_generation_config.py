@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from kvbaton.config import ConfigError, ModelConfig
-from kvbaton.engine.generation_config import GenerationDefaults, generation_eos_token_ids, load_generation_defaults
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.tokenizer import eos_token_ids
 from kvbaton.models.registry import DEFAULT_MODEL, pull_default_model
 from kvbaton.paths import CACHE_ENV
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.generation_config import GenerationDefaults, generation_eos_token_ids, load_generation_defaults
+from kvbaton.text.tokenizer import eos_token_ids
 
 QWEN_LIKE = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
              "max_new_tokens": 300, "eos_token_id": [151645, 151643], "transformers_version": "4.51.0"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbaton.plan.deployment import Deployment, Setting
+from kvbaton.plan.deployment import DeploymentPlan, Setting
 from kvbaton.plan.disaggregation import local_thresholds
 from kvbaton.plan.evaluate import Harness, SimOptions
 from kvbaton.plan.search import pd_ratios
@@ -12,7 +12,7 @@ from kvbaton.sim.model_spec import Dtype, KVDtype, model_preset
 from kvbaton.sim.roofline import Parallelism
 
 SETTING = Setting(model=model_preset("llama-3-70b"), hardware=hardware_preset("h800-sxm"))
-DEP = Deployment(parallel=Parallelism(4), weight_dtype=Dtype.FP16, kv_dtype=KVDtype.FP16)
+DEP = DeploymentPlan(parallel=Parallelism(4), weight_dtype=Dtype.FP16, kv_dtype=KVDtype.FP16)
 
 
 def harness(input_len: int, output_len: int) -> Harness:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvbaton.bench.arrivals import ArrivalConfig
 from kvbaton.config import ConfigError
 from kvbaton.plan.workload import Workload
 from kvbaton.sim.workload import synthetic_requests
+from kvbaton.workload.arrivals import ArrivalConfig
 
 
 def test_pool_at_a_rate_is_the_bench_load_at_that_rate() -> None:

@@ -256,7 +256,7 @@ def test_a_slow_client_holds_up_no_one_and_its_leaving_frees_everything(default_
 def test_tokenizer_encodes_alike_from_many_threads(default_model_dir):
     """What the server's tokenization pool relies on: concurrent encodes (and decodes) of the HF fast
     tokenizer give exactly the serial results."""
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     texts = [f"Sample {i}: the quick brown fox jumps over the lazy dog. " * (20 + i) for i in range(48)]

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.text.tokenizer import Tokenizer
 from tests.support.helpers import hf_greedy
 from tests.support.server import kvbaton_server
 

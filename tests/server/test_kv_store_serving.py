@@ -101,7 +101,7 @@ def test_pd_with_different_kv_dtypes_converts_on_the_decode_worker(default_model
     """Prefill keeps float32 KV, decode int8 (`--prefill-kv-cache-dtype`): the decode worker quantizes the blocks
     it receives. The first token is the prefill worker's, so exactly transformers' (float32); the rest decodes
     over int8 KV, so it may drift from float32 as int8 KV does (tests/kv/test_kv_quantization.py bounds that)."""
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(default_model_dir)
     words = (Path(__file__).parents[1] / "data" / "kv_quality_text.txt").read_text().split()

@@ -316,7 +316,7 @@ def test_echo_with_logprobs_and_prompt_logprobs(client) -> None:
 
 
 def test_generation_config_path_sets_defaults_and_eos(tmp_path, default_model_dir) -> None:
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     period = Tokenizer(default_model_dir).encode(".", add_special_tokens=False)[-1]
     (tmp_path / "generation_config.json").write_text(json.dumps(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.server.errors import ApiError
 from kvbaton.server.output_budget import MAX_PROMPT_LOGPROB_ENTRIES, OutputBudget, default_max_output_units
 

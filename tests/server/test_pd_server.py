@@ -27,7 +27,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_pd_serving_end_to_end(default_model_dir):
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     tok = Tokenizer(default_model_dir)
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]

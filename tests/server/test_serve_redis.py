@@ -41,7 +41,7 @@ def test_serve_starts_and_stops_its_own_redis(tiny_models):
         body = {"model": Path(model).name, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         out = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 12
-        from kvbaton.engine.tokenizer import Tokenizer
+        from kvbaton.text.tokenizer import Tokenizer
 
         assert out["choices"][0]["text"] == Tokenizer(model).decode(hf_greedy(model, [prompt], 12)[0])
         for env_file in Path("/proc").glob("[0-9]*/environ"):  # the password is in no worker's argv

@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 from pydantic import ValidationError
 
-from kvbaton.engine.structured.spec import MAX_GRAMMAR_CHARS
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.sched.grammar_spec import MAX_GRAMMAR_CHARS
 from kvbaton.server.tool_schemas import first_invalid
 from kvbaton.server.tools import (
     ContentDelta,
@@ -46,6 +45,7 @@ from kvbaton.server.tools.parameters import (
 )
 from kvbaton.server.tools.request import MAX_TOOLS, MAX_TOOLS_OBJECTS
 from kvbaton.server.tools.scan import MAX_JSON_DEPTH, loads_json
+from kvbaton.text.tokenizer import Tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvbaton.bench.arrivals import ArrivalConfig
-from kvbaton.bench.datasets import DatasetConfig
-from kvbaton.bench.metrics import SLO, summarize
-from kvbaton.bench.records import RunResult
 from kvbaton.cli import main
 from kvbaton.config import ConfigError
-from kvbaton.engine.step_trace import TRACE_FORMAT
+from kvbaton.sched.step_trace import TRACE_FORMAT
 from kvbaton.sim.calibrate import calibrate
 from kvbaton.sim.host import BySize, HostOverhead, ServedSteps, quantiles
 from kvbaton.sim.latency import LinearLatency, StepShape
@@ -26,6 +22,10 @@ from kvbaton.sim.served_steps import read_workers, served_steps
 from kvbaton.sim.simulator import simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec, SimRequest
 from kvbaton.sim.workload import synthetic_requests
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.datasets import DatasetConfig
+from kvbaton.workload.metrics import SLO, summarize
+from kvbaton.workload.records import RunResult
 
 PRICES = LinearLatency(base_s=0.012, per_token_s=0.00025, per_decode_seq_s=0.0003, per_context_s=1e-7)
 CLUSTER = ClusterSpec(decode=InstanceSpec(latency=PRICES, num_blocks=2000, kv_bytes_per_token=1000))

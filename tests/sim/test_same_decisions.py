@@ -11,8 +11,8 @@ import pytest
 from kvbaton import LLM
 from kvbaton.config import SchedulerConfig
 from kvbaton.engine.core import EngineCore
-from kvbaton.engine.outputs import SchedulerOutput
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.outputs import SchedulerOutput
+from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.sim.instance import ArrivalClock, SimInstance, sim_request
 from kvbaton.sim.latency import LinearLatency
 from kvbaton.sim.spec import InstanceSpec

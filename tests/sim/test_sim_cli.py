@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from kvbaton.bench.records import RequestRecord
 from kvbaton.cli import main
 from kvbaton.sim.latency import StepShape
 from kvbaton.sim.profiled import ProfiledLatency, ProfileSample
+from kvbaton.workload.records import RequestRecord
 
 LOAD = ["--dataset", "mixed", "--num-prompts", "40", "--long-fraction", "0.2", "--long-input-len", "512",
         "--short-input-len", "64", "--output-len", "16", "--seed", "5"]

@@ -8,15 +8,15 @@ import math
 
 import pytest
 
-from kvbaton.bench.arrivals import ArrivalConfig
-from kvbaton.bench.datasets import DatasetConfig
-from kvbaton.bench.metrics import SLO, summarize
 from kvbaton.config import SchedulerConfig
 from kvbaton.sim.latency import LinearLatency
 from kvbaton.sim.links import LinkModel
 from kvbaton.sim.simulator import simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec, SimRequest
 from kvbaton.sim.workload import synthetic_requests
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.datasets import DatasetConfig
+from kvbaton.workload.metrics import SLO, summarize
 
 PRICES = LinearLatency(base_s=0.012, per_token_s=0.00025, per_decode_seq_s=0.0003, per_context_s=1e-7)
 

@@ -11,11 +11,11 @@ import time
 
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import CacheConfig, EngineConfig
-from kvbaton.disagg.flight import Phase
-from kvbaton.disagg.router import Router, RouterConfig
-from kvbaton.disagg.worker_pool import PoolConfig
-from kvbaton.engine.sampling_params import SamplingParams
-from kvbaton.engine.tokenizer import Tokenizer
+from kvbaton.router.flight import Phase
+from kvbaton.router.router import Router, RouterConfig
+from kvbaton.router.worker_pool import PoolConfig
+from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.text.tokenizer import Tokenizer
 from tests.support.wait import async_wait_until
 
 POOL_FIELDS = {f.name for f in dataclasses.fields(PoolConfig)}

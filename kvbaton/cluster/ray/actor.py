@@ -1,6 +1,6 @@
 """`WorkerHost`: the Ray actor that runs one rank of a worker as its child process.
 
-The actor starts `kvbaton.disagg.worker` as a child, so the worker gets its own title
+The actor starts `kvbaton.worker.main` as a child, so the worker gets its own title
 (`kvbaton-decode-0` in `ps`, not `ray::...`), its own main thread and signal handlers, and a clean
 exit (SIGINT: its `finally` closes the sockets and KV buffers; SIGKILL after a grace period); it
 exits by itself if the actor dies. The cluster secret rides in the actor's constructor arguments
@@ -19,13 +19,13 @@ import ray
 
 from kvbaton.cluster.ray.loopback import LOOPBACK, is_loopback
 from kvbaton.cluster.worker_env import worker_env
-from kvbaton.disagg.spec import WorkerSpec
+from kvbaton.messages.worker_spec import WorkerSpec
 
 # The worker's entry point with SIGINT working again: a Ray worker ignores it, and blocks it in
 # the threads that run actor methods; a child inherits both, leaving only SIGKILL to stop it.
 _WORKER_BOOTSTRAP = ("import signal; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); "
                      "signal.signal(signal.SIGINT, signal.default_int_handler); "
-                     "from kvbaton.disagg.worker import main; main()")
+                     "from kvbaton.worker.main import main; main()")
 
 
 class HostInfo(NamedTuple):

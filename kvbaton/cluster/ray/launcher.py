@@ -28,7 +28,7 @@ from kvbaton.cluster.ray.auth import driver_auth, forget_driver_auth
 from kvbaton.cluster.ray.head import LocalHead
 from kvbaton.cluster.ray.loopback import SavedClusterMode, check_loopback, is_loopback, pin_loopback
 from kvbaton.cluster.ray.placement import bundle_nodes, plan_groups, reserve_groups
-from kvbaton.disagg.spec import WorkerRole, WorkerSpec
+from kvbaton.messages.worker_spec import WorkerRole, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class _Hosted:
 class RayLauncher:
     """Starts, watches and stops kvbaton workers on a Ray cluster (see the module docstring).
 
-    Implements `kvbaton.disagg.launcher.Launcher`; besides it, `launch_many` places several
+    Implements `kvbaton.router.launcher.Launcher`; besides it, `launch_many` places several
     workers at once (all or nothing), `reserve` only their placement groups, `list_workers` shows
     every rank, and `exit_codes` keeps each stopped worker's exit code."""
 

@@ -22,7 +22,7 @@ import ray
 from ray._private.state import available_resources_per_node, total_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from kvbaton.disagg.spec import WorkerRole, WorkerSpec
+from kvbaton.messages.worker_spec import WorkerRole, WorkerSpec
 
 NODE_ID_LABEL = "ray.io/node-id"
 

@@ -9,10 +9,10 @@ import concurrent.futures
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from kvbaton.engine.outputs import RequestFailure
-from kvbaton.engine.request import Request
 from kvbaton.engine.structured.grammar import GrammarCompiler
-from kvbaton.engine.structured.spec import StructuredOutput
+from kvbaton.sched.grammar_spec import StructuredOutput
+from kvbaton.sched.outputs import RequestFailure
+from kvbaton.sched.request import Request
 
 # With only requests whose grammar is compiling, a step waits this long for one instead of spinning.
 GRAMMAR_WAIT_S = 0.005

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import llguidance
 
-from kvbaton.engine.sampling_params import InvalidRequestError
-from kvbaton.engine.structured.spec import MAX_CHOICES, StructuredOutput
+from kvbaton.sched.grammar_spec import MAX_CHOICES, StructuredOutput
+from kvbaton.sched.sampling_params import InvalidRequestError
 
 MAX_CACHED_GRAMMARS = 256
 # NOTE: bounds the work one request's grammar may cost a step (lexer fuel) and its size; llguidance's

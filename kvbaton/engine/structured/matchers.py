@@ -17,7 +17,7 @@ import llguidance
 import torch
 
 from kvbaton.engine.structured.grammar import GrammarCompiler
-from kvbaton.engine.structured.spec import StructuredOutput
+from kvbaton.sched.grammar_spec import StructuredOutput
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """KV tiers beyond a worker's own pool, behind one contract (`base.KVTier`):
 
-    L1  the worker's pool (kvbaton.engine.block_pool: the prefix cache)
+    L1  the worker's pool (kvbaton.sched.block_pool: the prefix cache)
     L2  shm     node-local shared memory: every worker on the host maps one arena (`shm_tier`)
     L3  disk    signed block files in a bounded directory, kept across restarts (`disk_tier`, `records`)
     L4  redis   a cluster-wide Redis, every block under a TTL (`redis_tier`)

@@ -11,7 +11,7 @@ from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
 from kvbaton.layers.moe.dispatch import AllToAllDispatch, ExpertMap, shard_experts
 from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
-from kvbaton.layers.moe.router import TopKRouter
+from kvbaton.layers.moe.gate import TopKGate
 
 
 class SparseMoeBlock(nn.Module):
@@ -24,7 +24,7 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
-        self.gate = TopKRouter(hidden_size, moe)
+        self.gate = TopKGate(hidden_size, moe)
         self.experts = GroupedExperts(moe.num_experts, hidden_size, moe.intermediate_size)
         shared = moe.shared_intermediate_size
         self.shared_experts = MLP(hidden_size, shared) if shared else None

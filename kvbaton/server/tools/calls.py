@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from kvbaton.engine.outputs import FinishReason
+from kvbaton.sched.outputs import FinishReason
 
 TOOL_CALLS_FINISH_REASON = "tool_calls"
 

@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import BaseModel, Strict, model_validator
 from typing_extensions import Self
 
-from kvbaton.engine.structured.spec import MAX_GRAMMAR_CHARS
+from kvbaton.sched.grammar_spec import MAX_GRAMMAR_CHARS
 from kvbaton.server.tools.forced import tool_call_schema
 from kvbaton.server.tools.parameters import schema_bytes
 from kvbaton.server.tools.request import (

@@ -12,8 +12,8 @@ import zmq
 from kvbaton.kv.connectors.base import ConnectorConfig
 from kvbaton.kv.connectors.shm import ShmLayer
 from kvbaton.kv.connectors.shm.segments import Segment, require_shm_dir
-from kvbaton.kv.connectors.zmq import SenderFailed
-from kvbaton.kv.connectors.zmq.receiver import Incoming, ZmqReceiver
+from kvbaton.kv.connectors.zmq_control import SenderFailed
+from kvbaton.kv.connectors.zmq_control.receiver import Incoming, ZmqReceiver
 from kvbaton.kv.convert import write_blocks
 from kvbaton.kv.pools import KVPools
 from kvbaton.kv.rows import rows_within

@@ -10,7 +10,7 @@ import zmq
 from kvbaton.kv.connectors.base import ConnectorConfig
 from kvbaton.kv.connectors.shm import ShmLayer
 from kvbaton.kv.connectors.shm.segments import Segment, segment_name
-from kvbaton.kv.connectors.zmq.sender import Outgoing, ZmqSender
+from kvbaton.kv.connectors.zmq_control.sender import Outgoing, ZmqSender
 from kvbaton.kv.pools import KVPools
 from kvbaton.kv.rows import copy_rows
 

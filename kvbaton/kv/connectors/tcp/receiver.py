@@ -11,8 +11,8 @@ import zmq
 
 from kvbaton.kv.connectors.base import ConnectorConfig
 from kvbaton.kv.connectors.tcp import TcpLayer, data_key
-from kvbaton.kv.connectors.zmq import SenderFailed
-from kvbaton.kv.connectors.zmq.receiver import Incoming, ZmqReceiver
+from kvbaton.kv.connectors.zmq_control import SenderFailed
+from kvbaton.kv.connectors.zmq_control.receiver import Incoming, ZmqReceiver
 from kvbaton.kv.convert import largest_block_bytes, write_blocks
 from kvbaton.kv.layout import KVLayout, KVLayoutMismatch
 from kvbaton.kv.pools import KVPools

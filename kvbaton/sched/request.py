@@ -1,0 +1,74 @@
+"""A request's whole life inside one engine: its tokens, its progress, and how it ended."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import KW_ONLY, dataclass, field
+
+from kvbaton.sched.outputs import FinishReason, RemoteDecode, TokenLogprobs
+from kvbaton.sched.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    # A prefill worker's request whose KV is on its way to a decode worker: done here, blocks
+    # held until the transfer ends. The client's request goes on elsewhere.
+    FINISHED_TRANSFERRED = "transfer"
+    WAITING_FOR_KV = "waiting_for_kv"  # a decode worker's request whose KV is being received
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TRANSFERRED)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    _: KW_ONLY
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower value is served first, as in vLLM
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 until then
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, in order
+    first_scheduled_time: float | None = None
+    remote_decode: RemoteDecode | None = None  # prefill role: hand the KV off after the prompt
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # as computed (prompt tokens 1, 2, ...)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output, without copying both."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FinishReason(self.status.value) if self.is_finished else None
