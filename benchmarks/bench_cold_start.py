@@ -42,13 +42,13 @@ MODEL = "SmolLM2-135M-Instruct"
 PHASES = r"""
 import json, sys, time
 t0 = time.perf_counter()
-import kvbaton.disagg.worker  # what a worker imports
+import kvbaton.worker.main  # what a worker imports
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.core import EngineCore
-from kvbaton.engine.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.process import set_compute_threads
-import kvbaton.engine.tokenizer as tok
+import kvbaton.text.tokenizer as tok
 t1 = time.perf_counter()
 set_compute_threads(2)
 model_dir = resolve_model(sys.argv[1])

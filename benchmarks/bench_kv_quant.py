@@ -128,7 +128,7 @@ def section_capacity(context: int = 4096, pool_gib: float = 1.0) -> dict:
 
 
 def section_quality(model_dir: Path) -> dict:
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.text.tokenizer import Tokenizer
 
     ids = Tokenizer(model_dir).encode(TEXT.read_text())
     prompts = [ids[i * 8: i * 8 + 32] for i in range(100)]

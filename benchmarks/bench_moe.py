@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -149,29 +150,18 @@ def weight_bytes(model_dir: Path, experts_hit_per_layer: float) -> dict[str, flo
 # ---- workers (one engine per process) ------------------------------------------------------------------------
 
 
-def worker_kvbaton(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from kvbaton import LLM, SamplingParams
-    from kvbaton.layers.moe.experts import GroupedExperts
-
-    t = time.perf_counter()
-    llm = LLM(str(args.model_dir), dtype="bfloat16", num_threads=args.threads, max_model_len=2048,
-              kv_cache_memory_gb=2.0)
-    load_s = time.perf_counter() - t
-    engine = llm.engine
-    experts = [m for m in engine.core.runner.model.modules() if isinstance(m, GroupedExperts)]
-    kernel = experts[0].kernel
-    vocab = engine.model_config.vocab_size
-    tag = args._worker
+def engine_runner(engine: Any, tag: str, params: Callable[[int], Any],
+                  ) -> Callable[[list[list[int]], int], tuple[list[float], dict[str, list[float]]]]:
+    """`run(prompts, out_len)`: the prompts through the engine's own step loop (`params(out_len)` each) until
+    done; the time of every step with all of them decoding, and per request its token stamps."""
     calls = itertools.count()
 
     def run(prompts: list[list[int]], out_len: int) -> tuple[list[float], dict[str, list[float]]]:
         """Step the engine until done: each step's (start, end), and per request its token stamps."""
-        params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+        sampling = params(out_len)
         call = next(calls)
         for i, p in enumerate(prompts):
-            engine.add_request(f"{tag}-{call}-{i}", {"prompt_token_ids": p}, params)
+            engine.add_request(f"{tag}-{call}-{i}", {"prompt_token_ids": p}, sampling)
         steps: list[float] = []
         stamps: dict[str, list[float]] = {}
         counts: dict[str, int] = {}
@@ -188,6 +178,39 @@ def worker_kvbaton(args: argparse.Namespace) -> dict[str, Any]:
                 counts[out.request_id] = n
         return steps, stamps
 
+    return run
+
+
+def experts_hit(run: Callable[..., Any], experts: list[Any], seed: int, vocab: int) -> list[int]:
+    """The experts a 32-token decode step hits, per layer, over the last two steps of a short batch (pure
+    32-token decodes): hooks on the expert groups, after the timed steps (the hooks cost time)."""
+    import torch
+
+    hits: list[int] = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: hits.append(int(torch.count_nonzero(a[1].counts))))
+             for m in experts]
+    run(make_prompts(seed, "batch-hits", BATCH, 16, vocab), 4)
+    for hook in hooks:
+        hook.remove()
+    return [n for n in hits[-len(experts) * 2:]]
+
+
+def worker_kvbaton(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from kvbaton import LLM, SamplingParams
+    from kvbaton.layers.moe.experts import GroupedExperts
+
+    t = time.perf_counter()
+    llm = LLM(str(args.model_dir), dtype="bfloat16", num_threads=args.threads, max_model_len=2048,
+              kv_cache_memory_gb=2.0)
+    load_s = time.perf_counter() - t
+    engine = llm.engine
+    experts = [m for m in engine.core.runner.model.modules() if isinstance(m, GroupedExperts)]
+    kernel = experts[0].kernel
+    vocab = engine.model_config.vocab_size
+    tag = args._worker
+    run = engine_runner(engine, tag, lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
     run(make_prompts(args.seed, f"{tag}-warm", 2, 256, vocab), 4)  # warm-up (kernels, allocator)
     prefill = []
     for i in range(PREFILL_REPEATS):
@@ -200,14 +223,7 @@ def worker_kvbaton(args: argparse.Namespace) -> dict[str, Any]:
     gaps = [b - a for a, b in zip(times, times[1:])]
     decode_ms, decode_mean_ms = 1e3 * statistics.median(gaps), 1e3 * statistics.mean(gaps)
     batch_steps, _ = run(make_prompts(args.seed, "batch", BATCH, BATCH_PROMPT, vocab), BATCH_STEPS + 1)
-    # the experts a 32-token decode step hits, per layer (after the timed steps: the hook costs time)
-    hits: list[int] = []
-    hooks = [m.register_forward_hook(lambda mod, a, out: hits.append(int(torch.count_nonzero(a[1].counts))))
-             for m in experts]
-    run(make_prompts(args.seed, "batch-hits", BATCH, 16, vocab), 4)
-    for hook in hooks:
-        hook.remove()
-    batch_hits = [n for n in hits[-len(experts) * 2:]]  # the last two steps: pure 32-token decodes
+    batch_hits = experts_hit(run, experts, args.seed, vocab)
     log(f"kvbaton {tag}: prefill {statistics.median(prefill):.0f} tok/s, decode b1 {decode_ms:.2f} ms, "
         f"b{BATCH} {1e3 * statistics.median(batch_steps):.1f} ms/step")
     return {"load_s": load_s, "compute_path": engine.core.compute_plan.summary(),

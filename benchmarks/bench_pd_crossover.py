@@ -38,12 +38,14 @@ from common.sim import (
     COMMON_SERVE_ARGS,
     KV_GB,
     Deployment,
+    HostOverhead,
     ensure_host_overhead,
     ensure_profile,
     kv_pool,
     replay,
+    require_traces,
 )
-from kvbaton.bench.metrics import SLO
+from kvbaton.workload.metrics import SLO
 
 SETUPS = {"pd": Deployment(threads=1, num_prefill=1, local_prefill_threshold=256),
           "single": Deployment(threads=2, max_num_batched_tokens=256)}
@@ -163,7 +165,7 @@ def plot(doc: dict, lengths: list[int], shares: list[float], path: Path) -> None
     fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", default="512,1024,2048")
     ap.add_argument("--shares", default="0.05,0.15,0.3")
@@ -173,24 +175,61 @@ def main() -> None:
     ap.add_argument("--profiles-from", type=Path, default=RESULTS_DIR,
                     help="this CPU kind's sim-profile-*.json, sim-host-*.json (else measured or calibrated)")
     ap.add_argument("--replay", type=Path, nargs="+", default=None, metavar="RUN_JSON",
-                    help="simulate previous runs' measured cells (pd-crossover-<date>.json; several: one grid, e.g. "
-                         "an extension to shorter prompts) again, e.g. with a refitted step model; measures nothing")
-    args = ap.parse_args()
+                    help="simulate previous runs' measured cells (pd-crossover-<date>.json, its cells' traces beside "
+                         "it; several: one grid, e.g. an extension to shorter prompts) again, e.g. with a refitted "
+                         "step model; measures nothing")
+    return ap.parse_args()
+
+
+def replay_sources(paths: list[Path], runs: list[dict], args: argparse.Namespace) -> dict[str, Path]:
+    """Each replayed cell's run JSON; the grid, rate and seed of the measured runs go into `args`."""
+    sources = {key: path for path, run in zip(paths, runs) for key in run["cells"]}
+    args.lengths, args.shares = (",".join(sorted({k.split("x")[i] for k in sources}, key=float)) for i in (0, 1))
+    args.rate, args.num_prompts, args.seed = runs[0]["rate"], runs[0]["num_prompts"], runs[0]["seed"]
+    if {(r["rate"], r["num_prompts"]) for r in runs} != {(args.rate, args.num_prompts)}:
+        raise SystemExit("--replay: the runs differ in rate or requests per cell; they are not one grid")
+    return sources
+
+
+def replayed_traces(name: str, cells: list[tuple[int, float]], sources: dict[str, Path]) -> dict[str, Path]:
+    """Set-up `name`'s measured trace of each cell, beside its run's JSON:
+    pd-crossover-<stamp>-<set-up>-<length>-<share>.json."""
+    return {f"{n}x{s}": sources[f"{n}x{s}"].with_name(f"{sources[f'{n}x{s}'].stem}-{name}-{n}-{s}.json")
+            for n, s in cells}
+
+
+def simulate_cells(doc: dict, name: str, traces: dict[str, Path], profile: Path, host: HostOverhead,
+                   pool: tuple[int, int], slo: SLO) -> None:
+    """Set-up `name`'s measured TPOT p99 per cell, and its replays: the engines alone and calibrated."""
+    deployment = SETUPS[name]
+    for key, trace in traces.items():
+        measured = read_json(trace)["runs"][0]["summary"]
+        engines, _ = replay(deployment, trace, profile, pool, slo)
+        calibrated, _ = replay(deployment, trace, profile, pool, slo, host)
+        doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],
+                                  f"sim_{name}_tpot_p99": engines.tpot_ms.p99,
+                                  f"simhost_{name}_tpot_p99": calibrated.tpot_ms.p99})
+
+
+def add_ratios(doc: dict) -> None:
+    """Each cell's pd / single TPOT p99, per source (measured, simulated, calibrated)."""
+    for c in doc["cells"].values():
+        for source, prefix in SOURCES.items():
+            pd, single = c.get(f"{prefix}pd_tpot_p99"), c.get(f"{prefix}single_tpot_p99")
+            c[f"{source}_ratio"] = pd / single if pd and single else None
+
+
+def main() -> None:
+    args = parse_args()
     runs = [read_json(path) for path in args.replay or ()]
-    previous = runs[0] if runs else None
-    # where each measured cell's traces are: pd-crossover-<stamp>-<set-up>-<length>-<share>.json
-    stamps = {key: path.stem.removeprefix("pd-crossover-") for path, run in zip(args.replay or (), runs)
-              for key in run["cells"]}
-    if previous:  # the grid, rate and seed of the measured runs
-        args.lengths, args.shares = (",".join(sorted({k.split("x")[i] for k in stamps}, key=float)) for i in (0, 1))
-        args.rate, args.num_prompts, args.seed = previous["rate"], previous["num_prompts"], previous["seed"]
-        if {(r["rate"], r["num_prompts"]) for r in runs} != {(args.rate, args.num_prompts)}:
-            raise SystemExit("--replay: the runs differ in rate or requests per cell; they are not one grid")
+    sources = replay_sources(args.replay, runs, args) if runs else {}
+    lengths, shares = [int(x) for x in args.lengths.split(",")], [float(x) for x in args.shares.split(",")]
+    cells = [(n, s) for s in shares for n in lengths]
+    replayed = {name: replayed_traces(name, cells, sources) for name in SETUPS} if runs else {}
+    require_traces([trace for traces in replayed.values() for trace in traces.values()])
     from kvbaton.models.registry import pull_default_model
 
     model_dir = str(pull_default_model())
-    lengths, shares = [int(x) for x in args.lengths.split(",")], [float(x) for x in args.shares.split(",")]
-    cells = [(n, s) for s in shares for n in lengths]
     seed = fresh_seed() if args.seed is None else args.seed
     started = datetime.now()
     run_stamp = stamp(started)
@@ -208,20 +247,9 @@ def main() -> None:
     pool, slo = kv_pool(model_dir, KV_GB), SLO(tpot_ms=TPOT_SLO_MS)
     for name, deployment in SETUPS.items():
         print(f"== {name}: kvbaton serve {' '.join(deployment.serve_args())}", flush=True)
-        traces = {f"{n}x{s}": RESULTS_DIR / f"pd-crossover-{stamps[f'{n}x{s}']}-{name}-{n}-{s}.json"
-                  for n, s in cells} if previous else measure_setup(name, cells, args, seed, run_stamp, model_dir)
-        for key, trace in traces.items():
-            measured = read_json(trace)["runs"][0]["summary"]
-            profile, host = profiles[deployment.threads], hosts[name]
-            engines, _ = replay(deployment, trace, profile, pool, slo)
-            calibrated, _ = replay(deployment, trace, profile, pool, slo, host)
-            doc["cells"][key].update({f"{name}_tpot_p99": measured["tpot_ms"]["p99"],
-                                      f"sim_{name}_tpot_p99": engines.tpot_ms.p99,
-                                      f"simhost_{name}_tpot_p99": calibrated.tpot_ms.p99})
-    for c in doc["cells"].values():
-        for source, prefix in SOURCES.items():
-            pd, single = c.get(f"{prefix}pd_tpot_p99"), c.get(f"{prefix}single_tpot_p99")
-            c[f"{source}_ratio"] = pd / single if pd and single else None
+        traces = replayed[name] if runs else measure_setup(name, cells, args, seed, run_stamp, model_dir)
+        simulate_cells(doc, name, traces, profiles[deployment.threads], hosts[name], pool, slo)
+    add_ratios(doc)
     score(doc, lengths, shares)
     doc["wall_s"] = time.monotonic() - t0
     write_json(RESULTS_DIR / f"pd-crossover-{run_stamp}.json", doc, indent=1)

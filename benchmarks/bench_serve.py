@@ -193,6 +193,29 @@ def _terminate(signum: int, frame: object) -> NoReturn:  # SIGTERM / SIGHUP: unw
     raise SystemExit(128 + signum)
 
 
+def run_engines(args: argparse.Namespace, engines: list[str], results: dict, files: ResultFiles,
+                ) -> BaseException | None:
+    """Each engine in turn (kvbaton offline after its server is gone), the results checkpointed after each; a
+    failed engine is recorded and the next one runs. Ctrl-C or a signal ends the runs early: returned, with the
+    partial results kept."""
+    try:
+        for engine in engines:
+            log(f"== {engine}")
+            try:
+                results["engines"][engine] = run_engine(args, engine)
+            except Exception as exc:  # recorded, and the next engine still runs
+                results["engines"][engine] = {"error": f"{type(exc).__name__}: {exc}"}
+                args.notes.append(f"{engine}: {type(exc).__name__}: {str(exc)[:300]}")
+                log(f"{engine} failed: {exc}")
+            if engine == "kvbaton" and args.offline:  # after the server is gone: one engine at a time
+                results["offline"] = run_offline(args)
+            files.write_json(results)  # a checkpoint
+    except (KeyboardInterrupt, SystemExit) as exc:
+        args.notes.append(f"interrupted ({type(exc).__name__}); partial results")
+        return exc
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.model_dir is None:
@@ -232,22 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                "model_dir": args.model_dir, "raw_dir": str(args.raw_dir), "engine_order": engines,
                "environment": to_json(environment(peers=peer_versions)), "engines": {}, "notes": args.notes}
     files = ResultFiles.of(args.out_dir, "serve-quick" if args.quick else "serve", run_stamp)
-    interrupted = None
-    try:
-        for engine in engines:
-            log(f"== {engine}")
-            try:
-                results["engines"][engine] = run_engine(args, engine)
-            except Exception as exc:  # recorded, and the next engine still runs
-                results["engines"][engine] = {"error": f"{type(exc).__name__}: {exc}"}
-                args.notes.append(f"{engine}: {type(exc).__name__}: {str(exc)[:300]}")
-                log(f"{engine} failed: {exc}")
-            if engine == "kvbaton" and args.offline:  # after the server is gone: one engine at a time
-                results["offline"] = run_offline(args)
-            files.write_json(results)  # a checkpoint
-    except (KeyboardInterrupt, SystemExit) as exc:
-        interrupted = exc
-        args.notes.append(f"interrupted ({type(exc).__name__}); partial results")
+    interrupted = run_engines(args, engines, results, files)
     results["wall_s"] = time.perf_counter() - t_start
     summarize(results)
     run_notes(results, args.notes)

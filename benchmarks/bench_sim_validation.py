@@ -14,8 +14,8 @@ median dispatch delay per prompt size beyond that load's replay. Then for each l
 within 10% at p50 and 15% at p99. The peer here is reality itself: every ratio is simulated / measured.
 
 Writes benchmarks/results/sim-validation-<date>.json and sim-validation-<cpu kind>.md (profiles and
-calibrations are kept per CPU kind too: sim-profile-<kind>-t{1,2}.json, sim-host-<kind>-<deployment>.json
-with the calibration run and its step traces beside it).
+calibrations are kept per CPU kind too: sim-profile-<kind>-t{1,2}.json, sim-host-<kind>-<deployment>.json;
+the calibration run and its step traces are written beside it, to refit on, and are not committed).
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ from common.sim import (
     KV_GB,
     RANDOM,
     Deployment,
+    HostOverhead,
     ensure_host_overhead,
     ensure_profile,
     kv_pool,
     measure,
     replay,
+    require_traces,
 )
-from kvbaton.bench.metrics import SLO, Summary
+from kvbaton.workload.metrics import SLO, Summary
 
 TARGETS = {"p50": 0.10, "p99": 0.15}
 
@@ -114,19 +116,37 @@ def _pct(err: float | None, p: str) -> str:
     return f"{err:+.1%}" + ("" if abs(err) <= TARGETS[p] else " **miss**")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--loads", default=",".join(load.name for load in LOADS))
     ap.add_argument("--num-prompts", type=int, default=60)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--profiles-from", type=Path, default=None,
                     help="reuse this CPU kind's sim-profile-*.json and sim-host-*.json from here (a sim-host-*.json "
-                         "missing where its calibration run and step traces are: calibrated again on those)")
+                         "missing where its calibration run and step traces are: calibrated again on those; "
+                         "without them, on a new calibration run)")
     ap.add_argument("--replay", type=Path, default=None, metavar="RUN_JSON",
-                    help="simulate a previous run's measured traces (sim-validation-<date>.json) again, e.g. with a "
-                         "refitted step model; measures nothing")
-    args = ap.parse_args()
+                    help="simulate a previous run's measured traces (sim-validation-<date>.json, its traces beside "
+                         "it) again, e.g. with a refitted step model; measures nothing")
+    return ap.parse_args()
+
+
+def validate(load: Load, trace: Path, profile: Path, host: HostOverhead, pool: tuple[int, int]) -> dict:
+    """`load`'s measured run against its replays (calibrated, and the engines alone): its row of the report."""
+    measured = read_json(trace)["runs"][0]["summary"]
+    summary, wall_s = replay(load.deployment, trace, profile, pool, SLO(), host)
+    engines_only, _ = replay(load.deployment, trace, profile, pool, SLO())
+    row = compare(measured, summary, engines_only, wall_s)
+    print("   " + ", ".join(f"{k} {v['measured']:.1f} vs {v['simulated']:.1f}" for k, v in row.items()
+                            if isinstance(v, dict)), flush=True)
+    return {**row, "trace": trace.name}
+
+
+def main() -> None:
+    args = parse_args()
     previous = read_json(args.replay) if args.replay else None
+    if previous:
+        require_traces([args.replay.parent / row["trace"] for row in previous["loads"].values() if "trace" in row])
     from kvbaton.models.registry import pull_default_model
 
     model_dir = str(pull_default_model())
@@ -161,14 +181,8 @@ def main() -> None:
         except (RuntimeError, subprocess.CalledProcessError, KeyError) as exc:
             doc["loads"][load.name] = {"error": f"{type(exc).__name__}: {exc}"}
             continue
-        measured = read_json(trace)["runs"][0]["summary"]
-        profile, host = profiles[load.deployment.threads], hosts[load.deployment.label]
-        summary, wall_s = replay(load.deployment, trace, profile, pool, SLO(), host)
-        engines_only, _ = replay(load.deployment, trace, profile, pool, SLO())
-        row = compare(measured, summary, engines_only, wall_s)
-        doc["loads"][load.name] = {**row, "trace": trace.name}
-        print("   " + ", ".join(f"{k} {v['measured']:.1f} vs {v['simulated']:.1f}" for k, v in row.items()
-                                if isinstance(v, dict)), flush=True)
+        doc["loads"][load.name] = validate(load, trace, profiles[load.deployment.threads],
+                                           hosts[load.deployment.label], pool)
     doc["wall_s"] = time.monotonic() - t0
     write_json(RESULTS_DIR / f"sim-validation-{run_stamp}.json", doc, indent=1)
     md = RESULTS_DIR / f"sim-validation-{cpu_kind()}.md"

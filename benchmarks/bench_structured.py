@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import datetime as dt
 import json
 import random
@@ -55,12 +54,11 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
-import jsonschema
 
 from common.contention import LoadMonitor, OverlapWatch, note_load, take_lock, wait_foreign, wait_idle
 from common.log import log
@@ -69,139 +67,34 @@ from common.peers import add_peer_args, resolve_peers
 from common.procs import descendants, thread_env
 from common.prompts import fresh_seed
 from common.records import to_json
-from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, notes_section, ratio, stamp
+from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, stamp
 from common.servers import Server, ServerSpec, free_port, kvbaton_server
 from kvbaton.bench.client import Target, make_client
-from kvbaton.bench.metrics import percentile
-from kvbaton.bench.sse import SSEDecoder, parse_event
+from kvbaton.client.sse import SSEDecoder, parse_event
+from kvbaton.workload.metrics import percentile
+from structured_bench.report import markdown, summarize
+from structured_bench.workload import (
+    ENGINES,
+    FULL,
+    QUICK,
+    SCHEMAS,
+    Item,
+    Reply,
+    Sizes,
+    check_json,
+    in_schema_order,
+    json_prompt,
+    matched_lengths,
+    padding,
+    plain_prompt,
+    plan_run,
+    schema_variant,
+)
 
-ENGINES = ("kvbaton", "vllm")
-LABEL = {"kvbaton": "kvbaton serve", "vllm": "vLLM CPU"}
 FOREIGN = r"benchmarks/bench_(engine|serve|pd|structured)\.py"
-TARGET_RATIO = 0.9
-
-# ---- the schemas: realistic sizes, every string and array bounded so a valid output fits 128 tokens ----
-
-def _S(max_len: int) -> dict[str, Any]:
-    return {"type": "string", "minLength": 1, "maxLength": max_len}
-
-
-def _I(lo: int, hi: int) -> dict[str, Any]:
-    return {"type": "integer", "minimum": lo, "maximum": hi}
-
-
-def _obj(props: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-
-
-SCHEMAS: dict[str, dict[str, Any]] = {
-    "person": _obj({"name": _S(24), "age": _I(0, 120), "role": {"enum": ["admin", "editor", "viewer", "guest"]},
-                    "email": _S(32), "tags": {"type": "array", "items": _S(12), "maxItems": 3}}),
-    "product": _obj({"sku": _S(12), "title": _S(32), "price_cents": _I(0, 1_000_000),
-                     "currency": {"enum": ["USD", "EUR", "GBP", "JPY"]}, "in_stock": {"type": "boolean"},
-                     "categories": {"type": "array", "minItems": 1, "maxItems": 3,
-                                    "items": {"enum": ["books", "garden", "toys", "food", "tools", "music"]}}}),
-    "event": _obj({"title": _S(32), "day": _I(1, 31),
-                   "month": {"enum": ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov",
-                                      "dec"]},
-                   "online": {"type": "boolean"},
-                   "location": _obj({"city": _S(20), "country": {"enum": ["DE", "FR", "GB", "US", "JP"]}}),
-                   "attendees": {"type": "array", "maxItems": 2,
-                                 "items": _obj({"name": _S(16), "rsvp": {"enum": ["yes", "no", "maybe"]}})}}),
-    "order": _obj({"order_id": _S(8), "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
-                   "customer": _obj({"name": _S(12), "vip": {"type": "boolean"},
-                                     "tier": {"enum": ["bronze", "silver", "gold"]}}),
-                   "shipping": _obj({"city": _S(16), "country": {"enum": ["DE", "FR", "GB", "US", "JP"]}}),
-                   "items": {"type": "array", "minItems": 1, "maxItems": 2,
-                             "items": _obj({"sku": _S(8), "qty": _I(1, 9)})},
-                   "total_cents": _I(0, 1_000_000), "gift": {"type": "boolean"}}),
-}
-
-
-def schema_variant(name: str, nonce: str) -> dict[str, Any]:
-    """SCHEMAS[name] with its first property renamed `<key>_<nonce>`: another grammar, so no cache knows it."""
-    schema = copy.deepcopy(SCHEMAS[name])
-    first = next(iter(schema["properties"]))
-    schema["properties"] = {(f"{k}_{nonce}" if k == first else k): v for k, v in schema["properties"].items()}
-    schema["required"] = list(schema["properties"])
-    return schema
-
-
-# ---- prompts: random words, distinct per request -------------------------------------------------------
-
-_WORDS = tuple("""
-river stone lamp orbit violet cedar harbor falcon copper meadow signal lantern basalt quartz willow ember
-canyon glacier pepper saddle marble thistle nectar comet tundra prism anchor bramble cobalt dune fern
-garnet hollow island jasper kettle lagoon mango nickel oasis pebble quill raven sable tulip umber velvet
-walnut yarrow zephyr beacon cider delta fable grove hazel ivory juniper kiwi linen maple noble opal
-""".split())
-_TOPICS = ("a lighthouse keeper", "a night market", "an old map", "a rainy station", "a chess club",
-           "a mountain bakery", "a lost robot", "a desert garden")
-_ASK = {"person": "a person", "product": "a product in a shop", "event": "an event", "order": "a customer order"}
-
-
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(n))
-
-
-def plain_prompt(rng: random.Random) -> str:
-    return f"{words(rng, 6)}. Write a short story about {rng.choice(_TOPICS)} using these words: {words(rng, 6)}."
-
-
-def json_prompt(rng: random.Random, schema_name: str) -> str:
-    return f"{words(rng, 6)}. Describe {_ASK[schema_name]} as JSON. Use these words: {words(rng, 4)}."
 
 
 # ---- one streamed chat request ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Item:
-    """One request of a run: `kind` plain, json (a schema) or matched (plain, cut to a json reply's length)."""
-
-    kind: str
-    prompt: str
-    max_tokens: int
-    seed: int
-    schema_name: str | None = None
-    schema: dict[str, Any] | None = None
-
-    def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": self.prompt}],
-                                "max_tokens": self.max_tokens, "temperature": 1.0, "top_p": 1.0, "seed": self.seed,
-                                "stream": True, "stream_options": {"include_usage": True}}
-        if self.schema is None:
-            body["ignore_eos"] = True
-        else:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": self.schema_name, "schema": self.schema}}
-        return body
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reply:
-    ok: bool
-    send_s: float  # perf_counter at send
-    chunk_s: tuple[float, ...] = ()  # perf_counter of each content chunk
-    output_tokens: int = 0  # usage.completion_tokens, else content chunks
-    finish_reason: str | None = None
-    text: str = ""
-    error: str = ""
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.chunk_s[0] - self.send_s if self.chunk_s else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        if not self.ok or len(self.chunk_s) < 2 or self.output_tokens < 2:
-            return None
-        return (self.chunk_s[-1] - self.chunk_s[0]) / (self.output_tokens - 1)
-
-    @property
-    def max_gap_s(self) -> float | None:
-        gaps = [b - a for a, b in zip(self.chunk_s, self.chunk_s[1:])]
-        return max(gaps) if gaps else None
 
 
 async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
@@ -259,79 +152,7 @@ async def send_all(base_url: str, items: list[Item], cap_s: float) -> tuple[list
     return replies, (max(stamps) - min(stamps)) if stamps else 0.0
 
 
-# ---- workload runs A, B, C --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sizes:
-    concurrency: int
-    structured: int  # of the concurrency, in B
-    max_tokens: int
-    repeats: int
-    compile_rounds: int
-    stall_tokens: int
-    run_cap_s: int
-
-
-FULL = Sizes(concurrency=32, structured=16, max_tokens=128, repeats=3, compile_rounds=3, stall_tokens=256,
-             run_cap_s=600)
-QUICK = Sizes(concurrency=8, structured=4, max_tokens=128, repeats=1, compile_rounds=1, stall_tokens=256,
-              run_cap_s=300)
-
-
-def plan_run(kind: str, seed: int, s: Sizes, matched: list[int] | None = None) -> list[Item]:
-    """Run `kind` (A, B or C) from `seed`; C's second half is cut to `matched` (B's structured lengths)."""
-    rng = random.Random(seed)
-    nonce = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5))
-    n_plain = s.concurrency if kind == "A" else s.concurrency - s.structured
-    items = [Item(kind="plain", prompt=plain_prompt(rng), max_tokens=s.max_tokens, seed=seed + i)
-             for i in range(n_plain)]
-    names = list(SCHEMAS)
-    for j in range(s.concurrency - n_plain):
-        name = names[j % len(names)]
-        if kind == "B":
-            items.append(Item(kind="json", prompt=json_prompt(rng, name), max_tokens=s.max_tokens,
-                              seed=seed + n_plain + j, schema_name=name, schema=schema_variant(name, nonce)))
-        else:
-            items.append(Item(kind="matched", prompt=json_prompt(rng, name), max_tokens=max(1, matched[j]),
-                              seed=seed + n_plain + j))
-    order = list(range(len(items)))
-    rng.shuffle(order)  # plain and structured requests interleaved in arrival order
-    return [items[i] for i in order]
-
-
-def check_json(item: Item, reply: Reply) -> str | None:
-    """Why a structured reply is not a valid instance of its schema, or None."""
-    if reply.finish_reason == "length":
-        return "truncated at max_tokens"
-    try:
-        doc = json.loads(reply.text)
-    except json.JSONDecodeError as exc:
-        return f"not JSON: {exc}"
-    try:
-        jsonschema.validate(doc, item.schema)
-    except jsonschema.ValidationError as exc:
-        return f"schema: {exc.message[:200]}"
-    return None
-
-
-def padding(text: str) -> int:
-    """Whitespace characters outside JSON strings (a grammar that allows any whitespace lets a model spend its
-    tokens there; kvbaton's is compact)."""
-    count, in_string, escaped = 0, False, False
-    for ch in text:
-        if in_string:
-            in_string, escaped = (escaped or ch != '"'), (not escaped and ch == "\\")
-        elif ch == '"':
-            in_string = True
-        elif ch.isspace():
-            count += 1
-    return count
-
-
-def in_schema_order(item: Item, text: str) -> bool:
-    """The top-level keys came in the order the schema lists its properties (OpenAI's and vLLM's order)."""
-    return list(json.loads(text)) == list(item.schema["properties"])
+# ---- a run's figures -------------------------------------------------------------------------------------
 
 
 def _p50(values: list[float | None]) -> float | None:
@@ -385,17 +206,6 @@ def request_record(item: Item, reply: Reply | None) -> dict[str, Any]:
     if item.schema is not None and reply.ok:
         rec |= {"text": reply.text, "invalid": check_json(item, reply)}
     return rec
-
-
-def matched_lengths(items: list[Item], replies: list[Reply | None], s: Sizes) -> list[int]:
-    """B's structured output lengths, in its schema order (a failed one counts max_tokens)."""
-    out = [r.output_tokens if r is not None and r.ok else s.max_tokens
-           for it, r in zip(items, replies) if it.kind == "json"]
-    by_name: dict[str, list[int]] = {}
-    for it, n in zip([it for it in items if it.kind == "json"], out):
-        by_name.setdefault(it.schema_name, []).append(n)
-    names = list(SCHEMAS)
-    return [by_name[names[j % len(names)]].pop(0) for j in range(s.structured)]
 
 
 # ---- compile time and the stall check ------------------------------------------------------------------------
@@ -463,8 +273,8 @@ def inproc_compile(model_dir: str) -> dict[str, Any]:
     import llguidance.torch as llt
 
     from kvbaton.engine.structured.grammar import GrammarCompiler
-    from kvbaton.engine.structured.spec import StructuredOutput
-    from kvbaton.engine.tokenizer import Tokenizer
+    from kvbaton.sched.grammar_spec import StructuredOutput
+    from kvbaton.text.tokenizer import Tokenizer
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     t = time.perf_counter()
@@ -632,126 +442,6 @@ def run_engine(args: argparse.Namespace, engine: str) -> dict[str, Any]:
     if engine == "vllm":
         res["auto_backend"] = vllm_auto_backend(args)
     return res
-
-
-# ---- the report ------------------------------------------------------------------------------------------
-
-
-def best(runs: list[dict], kind: str) -> dict | None:
-    done = [r for r in runs if r["kind"] == kind and r.get("output_tok_s")]
-    return max(done, key=lambda r: r["output_tok_s"]) if done else None
-
-
-def summarize(results: dict) -> None:
-    """Per engine: the ratios between the best runs of each kind, and the notes its runs call for."""
-    for e, er in results["engines"].items():
-        if "runs" not in er:
-            continue
-        for r in er["runs"]:
-            if r.get("structured", {}).get("failures"):
-                results["notes"].append(f"{LABEL[e]} B (seed {r['seed']}): structured failures "
-                                        f"{r['structured']['failures'][:4]}")
-            if r.get("errors"):
-                results["notes"].append(f"{LABEL[e]} {r['kind']} (seed {r['seed']}): errors {r['errors'][:2]}")
-            if r.get("overlap"):
-                results["notes"].append(f"{LABEL[e]} {r['kind']}: another benchmark ran meanwhile: {r['overlap'][0]}")
-        a, b, c = (best(er["runs"], k) for k in "ABC")
-        tpot = lambda r: r and r["plain"]["tpot_p50_ms"]
-        er["ratios"] = {"b_over_a_tok_s": ratio(b and b["output_tok_s"], a and a["output_tok_s"]),
-                        "b_over_c_tok_s": ratio(b and b["output_tok_s"], c and c["output_tok_s"]),
-                        "plain_tpot_b_over_a": ratio(tpot(b), tpot(a)), "plain_tpot_b_over_c": ratio(tpot(b), tpot(c))}
-
-
-def run_rows(engine: str, er: dict) -> list[str]:
-    rows = []
-    for kind in "ABC":
-        r = best(er["runs"], kind)
-        if r is None:
-            continue
-        others = ", ".join(fmt(x["output_tok_s"]) for x in er["runs"] if x["kind"] == kind)
-        st = r.get("structured")
-        valid = (f"{st['valid']}/{st['n']} valid, {st['in_schema_order']} in schema key order, "
-                 f"{st['padded']} with whitespace outside strings, {statistics.mean(st['tokens']):.0f} tokens avg"
-                 if st and st["tokens"] else "")
-        p = r["plain"]
-        rows.append(f"| {LABEL[engine]} | {kind} | {r['completed']}/{r['requests']} | {fmt(r['output_tok_s'])} | "
-                    f"{others} | {r['output_tokens']} | {r['wall_s']:.1f} | {fmt(p['tpot_p50_ms'])} | "
-                    f"{fmt(p['max_gap_ms'], '.0f')} | {fmt(p['ttft_p50_ms'], '.0f')} | {valid} | "
-                    f"{r.get('other_load_cores', 0):.2f} |")
-    return rows
-
-
-def compile_rows(engine: str, er: dict, inproc: dict | None) -> list[str]:
-    rows = []
-    for name, r in er.get("compile", {}).items():
-        lib = (inproc or {}).get("schemas", {}).get(name) if engine == "kvbaton" else None
-        lib_cell = f"{lib['compile_ms']:.1f} / {lib['first_mask_ms']:.1f}" if lib else "—"
-        rows.append(f"| {LABEL[engine]} | {name} | {fmt(r['plain_p50_ms'])} | {fmt(r['cold_p50_ms'])} | "
-                    f"{fmt(r['cached_p50_ms'])} | {fmt(r['compile_ms'])} | {lib_cell} |")
-    return rows
-
-
-def markdown(results: dict) -> str:
-    env, s, eng = results["environment"], results["sizes"], results["engines"]
-    lines = [f"# Structured outputs under batch load — {results['started']}", "",
-             f"Command: `{results['command']}`  ",
-             f"Seed {results['seed']} · model {MODEL_NAME} (bf16) · {results['threads']} threads per engine · "
-             f"wall {results['wall_s'] / 60:.1f} min", "",
-             f"Machine: {env['cpu']} ({env['cpus']} CPUs, torch capability {env['torch_cpu_capability']}); "
-             f"kvbaton commit {env['kvbaton_commit']}; torch {env['torch']}"
-             + "".join(f"; {k} {v}" for k, v in (env.get("peers") or {}).items())]
-    for e, er in eng.items():
-        keys = ("compute_path", "structured_outputs_config", "auto_backend", "grammar_libraries_before",
-                "grammar_libraries")
-        facts = {k: er[k] for k in keys if k in er}
-        if facts:
-            lines.append(f"- {LABEL[e]}: " + "; ".join(f"{k} `{v}`" for k, v in facts.items()))
-    lines += ["", f"Workload: {s['concurrency']} streaming chat requests at once, temperature 1, top_p 1, a seed each, "
-              f"max_tokens {s['max_tokens']}; A = all plain (ignore_eos), B = {s['concurrency'] - s['structured']} "
-              f"plain + {s['structured']} `response_format` json_schema over {len(SCHEMAS)} schemas new to the "
-              f"server each run, C = B's plain half + plain requests cut to B's structured lengths. out tok/s = "
-              f"output tokens / (first send → last token); TPOT = (last − first token) / (tokens − 1) per plain "
-              f"request; max gap = the longest pause between two chunks of any plain request. Best of "
-              f"{s['repeats']} (by out tok/s; all runs listed).", "",
-              "| engine | run | completed | out tok/s | all runs | out tokens | wall s | plain TPOT p50 ms | "
-              "plain max gap ms | plain TTFT p50 ms | structured | other load (cores) |",
-              "|---|---|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
-    for e, er in eng.items():
-        lines += run_rows(e, er) if "runs" in er else [f"| {LABEL[e]} | | | | | | | | | | "
-                                                      f"{er.get('skipped') or er.get('error')} | |"]
-    lines += ["", f"Ratios (best runs; target: out tok/s ≥ {TARGET_RATIO}, plain TPOT ≤ 1/{TARGET_RATIO}):", "",
-              "| engine | B/A out tok/s | B/C out tok/s (same tokens, no grammar) | plain TPOT B/A | plain TPOT B/C |",
-              "|---|---:|---:|---:|---:|"]
-    for e, er in eng.items():
-        if r := er.get("ratios"):
-            lines.append(f"| {LABEL[e]} | {fmt(r['b_over_a_tok_s'], '.2f')} | {fmt(r['b_over_c_tok_s'], '.2f')} | "
-                         f"{fmt(r['plain_tpot_b_over_a'], '.2f')} | {fmt(r['plain_tpot_b_over_c'], '.2f')} |")
-    lines.append("\nB has fewer output tokens than A (a grammar ends its output when the JSON closes) in about the "
-                 "same wall time (the plain half's max_tokens steps set it), so B/A is below 1 even at no grammar "
-                 "cost; B/C compares the same token work with and without grammars.")
-    if all("ratios" in eng.get(e, {}) for e in ENGINES):
-        kv, vl = eng["kvbaton"], eng["vllm"]
-        lines.append("\nkvbaton ÷ vLLM out tok/s: " + ", ".join(
-            f"{k} {fmt(ratio((best(kv['runs'], k) or {}).get('output_tok_s'), (best(vl['runs'], k) or {}).get('output_tok_s')), '.2f')}"  # noqa: E501
-            for k in "ABC"))
-    inproc = results.get("inproc_compile")
-    lines += ["", f"Compile time: one request at a time, max_tokens 2, TTFT p50 over {s['compile_rounds']} fresh "
-              "variant(s) per schema; compile ≈ cold − cached. llguidance in-process: kvbaton's GrammarCompiler "
-              "in this process, compile / first mask of a fresh matcher"
-              + (f" (its tokenizer: {inproc['tokenizer_s']:.1f} s)" if inproc and "tokenizer_s" in inproc else ""),
-              "", "| engine | schema | plain TTFT ms | cold TTFT ms | cached TTFT ms | cold − cached ms | "
-              "llguidance in-process compile / first mask ms |", "|---|---|---:|---:|---:|---:|---|"]
-    for e, er in eng.items():
-        lines += compile_rows(e, er, inproc)
-    lines += ["", "Stall check: 4 plain streams decoding when a structured request with a new schema arrives "
-              "(first: the first structured request after start; later: another new schema after it):", "",
-              "| engine | when | structured TTFT ms | plain gap p50 ms | plain gap max ms, until its first token |",
-              "|---|---|---:|---:|---:|"]
-    for e, er in eng.items():
-        for when, st in (er.get("stall") or {}).items():
-            lines.append(f"| {LABEL[e]} | {when} | {fmt(st['json_ttft_ms'])} | {fmt(st['plain_gap_p50_ms'])} | "
-                         f"{fmt(st['plain_gap_max_ms'], '.0f')} |")
-    return "\n".join(lines + notes_section(results["notes"])) + "\n"
 
 
 # ---- main --------------------------------------------------------------------------------------------------

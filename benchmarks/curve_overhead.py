@@ -20,10 +20,10 @@ import uuid
 import zmq
 
 from common.machine import cpu_name
-from kvbaton.disagg.messages import WorkerLoad, WorkerOutputs
-from kvbaton.disagg.spec import ROUTER_NAME
-from kvbaton.engine.info import EngineStats
-from kvbaton.engine.outputs import EngineCoreOutput
+from kvbaton.messages.router_worker import WorkerLoad, WorkerOutputs
+from kvbaton.messages.worker_spec import ROUTER_NAME
+from kvbaton.sched.info import EngineStats
+from kvbaton.sched.outputs import EngineCoreOutput
 from kvbaton.wire import CurveKeys, Peer, SequencedCodec, curve_client, curve_keys, curve_server
 
 SECRET = os.urandom(32).hex().encode()

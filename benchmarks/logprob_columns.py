@@ -21,12 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from common.machine import cpu_kind, cpu_name, kvbaton_commit
-from kvbaton.engine.logprob_columns import LogprobColumns, LogprobsView
-from kvbaton.engine.outputs import TokenLogprobs
-from kvbaton.engine.request_output import Logprob
-from kvbaton.engine.tokenizer import Tokenizer
 from kvbaton.models.registry import resolve_model
+from kvbaton.sched.outputs import TokenLogprobs
 from kvbaton.server.responses import chat_logprobs
+from kvbaton.text.logprob_columns import LogprobColumns, LogprobsView
+from kvbaton.text.request_output import Logprob
+from kvbaton.text.tokenizer import Tokenizer
 
 
 def vllm_shape(entry: TokenLogprobs, text: Callable[[int], str]) -> dict[int, Logprob]:

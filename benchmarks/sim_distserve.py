@@ -21,9 +21,6 @@ import sys
 import time
 
 from common.report import RESULTS_DIR, command_line
-from kvbaton.bench.arrivals import ArrivalConfig
-from kvbaton.bench.datasets import DatasetConfig
-from kvbaton.bench.metrics import SLO, summarize
 from kvbaton.config import SchedulerConfig
 from kvbaton.sim.hardware import hardware_preset
 from kvbaton.sim.links import link_preset
@@ -32,6 +29,9 @@ from kvbaton.sim.roofline import RooflineLatency
 from kvbaton.sim.simulator import simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec
 from kvbaton.sim.workload import synthetic_requests
+from kvbaton.workload.arrivals import ArrivalConfig
+from kvbaton.workload.datasets import DatasetConfig
+from kvbaton.workload.metrics import SLO, summarize
 
 UNITS = {"colocated": (0, 1), "1P+1D": (1, 1), "2P+1D": (2, 1), "1P+2D": (1, 2)}
 ATTAINMENT = 0.9

@@ -14,8 +14,6 @@ from statistics import fmean
 from common.machine import cpu_kind
 from common.report import read_json
 from common.servers import Server, free_port, kvbaton_server
-from kvbaton.bench.metrics import SLO, Summary, summarize
-from kvbaton.bench.records import RunResult
 from kvbaton.config import SchedulerConfig
 from kvbaton.sim.calibrate import calibrate
 from kvbaton.sim.host import HostOverhead
@@ -25,6 +23,8 @@ from kvbaton.sim.served_steps import read_workers, served_steps
 from kvbaton.sim.simulator import simulate
 from kvbaton.sim.spec import ClusterSpec, InstanceSpec
 from kvbaton.sim.workload import trace_medians, trace_requests, trace_ttfts
+from kvbaton.workload.metrics import SLO, Summary, summarize
+from kvbaton.workload.records import RunResult
 
 MAX_MODEL_LEN = 4096
 KV_GB = 2.0
@@ -140,6 +140,16 @@ def ensure_host_overhead(deployment: Deployment, out_dir: Path, model_dir: str, 
           f" / {fit.simulated_tpot_p50_ms:.1f})", flush=True)
     return fit.host
 
+
+
+def require_traces(traces: list[Path]) -> None:
+    """Stop with a clear message when a replayed run's measured traces are not beside its JSON: benchmarks/results
+    keeps a run's summary, not the traces it was measured on."""
+    missing = [str(trace) for trace in traces if not trace.exists()]
+    if missing:
+        raise SystemExit(f"--replay: {len(missing)} measured trace(s) missing beside the run's JSON, e.g. "
+                         f"{missing[0]} (benchmarks/results keeps runs' summaries, not their traces): replay a run "
+                         "whose traces you kept, or measure again without --replay")
 
 SEEDS = 5  # replays per measured run, pooled: the simulator's own spread of served steps averages out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import cache
 from typing import Any
 
 from common.log import log
@@ -88,20 +89,11 @@ def worker_kvbaton(args: argparse.Namespace) -> WorkerRun:
                      throughput=throughput_skip(args, latency, probe_s) or offline())
 
 
-def worker_hf(args: argparse.Namespace) -> WorkerRun:
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM
+@cache
+def hf_stamps() -> type:
+    """A transformers streamer class that stamps each generated token as it arrives (generate() puts the prompt
+    first: skipped)."""
     from transformers.generation.streamers import BaseStreamer
-
-    s = args.sizes
-    torch.set_num_threads(args.threads)
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
-    t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
-    load_s = time.perf_counter() - t
-    vocab = model.config.vocab_size
-    pad_id = 2
 
     class Stamps(BaseStreamer):
         def __init__(self) -> None:
@@ -117,36 +109,63 @@ def worker_hf(args: argparse.Namespace) -> WorkerRun:
         def end(self) -> None:
             pass
 
-    def one(prompt: list[int], out_len: int) -> Latency:
-        ids = torch.tensor([prompt])
-        streamer = Stamps()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
-                           min_new_tokens=out_len, do_sample=False, streamer=streamer, pad_token_id=pad_id)
-        return latency_summary(t0, streamer.times, len(streamer.times), len(prompt))
+    return Stamps
 
-    def batch(prompts: list[list[int]], out_len: int) -> tuple[float, int]:
-        width = max(map(len, prompts))  # left padding (a no-op when all prompts are equally long)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len,
-                                 min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
-        return time.perf_counter() - t0, int(out[:, width:].numel())
+
+def hf_one(model: Any, prompt: list[int], out_len: int, pad_id: int) -> Latency:
+    """One greedy `generate` of `out_len` tokens, each token stamped by a streamer."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    streamer = hf_stamps()()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=out_len,
+                       min_new_tokens=out_len, do_sample=False, streamer=streamer, pad_token_id=pad_id)
+    return latency_summary(t0, streamer.times, len(streamer.times), len(prompt))
+
+
+def hf_batch(model: Any, prompts: list[list[int]], out_len: int, pad_id: int) -> tuple[float, int]:
+    """One batched greedy `generate` (left padding): its seconds and output tokens."""
+    import torch
+
+    width = max(map(len, prompts))  # left padding (a no-op when all prompts are equally long)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len,
+                             min_new_tokens=out_len, do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - t0, int(out[:, width:].numel())
+
+
+def worker_hf(args: argparse.Namespace) -> WorkerRun:
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    s = args.sizes
+    torch.set_num_threads(args.threads)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
+    load_s = time.perf_counter() - t
+    vocab = model.config.vocab_size
+    pad_id = 2
 
     def offline() -> Throughput:
-        elapsed, n_out = batch(make_prompts(args.seed, "throughput", s.tp_prompts, s.prompt_len, vocab), s.out_len)
+        prompts = make_prompts(args.seed, "throughput", s.tp_prompts, s.prompt_len, vocab)
+        elapsed, n_out = hf_batch(model, prompts, s.out_len, pad_id)
         log(f"hf throughput: {n_out / elapsed:.1f} output tok/s")
         return Throughput(elapsed_s=elapsed, output_tokens=n_out, output_tok_s=n_out / elapsed,
                           total_tok_s=(n_out + s.tp_prompts * s.prompt_len) / elapsed)
 
     t = time.perf_counter()
-    one(make_prompts(args.seed, "hf-warm", 1, s.prompt_len, vocab)[0], 8)
-    probe_s, _ = batch(make_prompts(args.seed, "hf-warmbatch", PROBE_N, s.prompt_len, vocab), PROBE_OUT)
+    hf_one(model, make_prompts(args.seed, "hf-warm", 1, s.prompt_len, vocab)[0], 8, pad_id)
+    probe_s, _ = hf_batch(model, make_prompts(args.seed, "hf-warmbatch", PROBE_N, s.prompt_len, vocab), PROBE_OUT,
+                          pad_id)
     warmup_s = time.perf_counter() - t
-    latency = best_of([one(p, s.out_len)
+    latency = best_of([hf_one(model, p, s.out_len, pad_id)
                        for p in make_prompts(args.seed, "latency", s.latency_repeats, s.prompt_len, vocab)])
     log_latency("hf", latency)
     return WorkerRun(load_s=load_s, torch_threads=torch.get_num_threads(), version=transformers.__version__,

@@ -29,7 +29,7 @@ def worker_offline(args: argparse.Namespace) -> OfflineRun:
     import torch
 
     from kvbaton import LLM, SamplingParams
-    from kvbaton.bench.datasets import DatasetConfig, TokenizerPrompts, build_requests
+    from kvbaton.workload.datasets import DatasetConfig, TokenizerPrompts, build_requests
 
     s = args.sizes
     tokenizer = TokenizerPrompts.from_dir(args.model_dir)

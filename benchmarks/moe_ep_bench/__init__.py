@@ -1,0 +1,1 @@
+"""bench_moe_ep.py's parts: the models and workload sizes, the rank processes, the summaries, and the report."""
