@@ -11,7 +11,11 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: import-linter's own dependency reads TOML there
+    import tomli as tomllib
 
 from tests.support.procs import REPO_ROOT
 
