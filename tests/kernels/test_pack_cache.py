@@ -4,6 +4,7 @@ packed, and a file that is stale, corrupt, truncated or not safely ours is rebui
 from __future__ import annotations
 
 import os
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,23 @@ def test_an_engine_packs_once_and_decodes_the_same_from_the_kept_bytes(cache_dir
         core.close()
     assert len(list(cache_dir.glob("*.kvpack"))) == 1
     assert outputs[0] == outputs[1]
+
+
+def test_saving_writes_the_tensors_where_they_lie(cache_dir):
+    """The file is written tensor by tensor, never assembled in memory: a whole-file buffer (and a bytes copy of
+    each tensor) raised a first start's peak RSS by ~0.65 GB for the default model's AVX2 panels."""
+    cache = PackCache.for_model(Path("m"), KEY)
+    big = {f"w{i}.packed": torch.full((1024, 1024), float(i)) for i in range(8)}  # 32 MiB of fp32
+    for name, tensor in big.items():
+        cache.get(name, lambda tensor=tensor: tensor)
+    tracemalloc.start()
+    try:
+        cache.save()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, f"saving allocated {peak / 2**20:.1f} MiB of Python objects for 32 MiB of tensors"
+    again = PackCache.for_model(Path("m"), KEY)
+    assert again.hits == len(big)
+    for name, tensor in big.items():
+        assert torch.equal(again.get(name, _never), tensor)
