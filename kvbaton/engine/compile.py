@@ -14,6 +14,7 @@ from kvbaton.layers.mlp import MLP
 
 
 def compile_model(runner: ModelRunner) -> None:
+    runner.model.layer_loop = None  # the compiled MLPs run in the Python loop only
     for mlp in runner.model.modules():
         if isinstance(mlp, MLP):
             _compile_mlp(mlp)

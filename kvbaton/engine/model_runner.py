@@ -16,6 +16,7 @@ from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.kv.pools import KVPools, torch_dtype
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
 from kvbaton.models.families import CausalLM
+from kvbaton.models.layer_loop import build_layer_loop
 from kvbaton.platform.compute import AttentionCode
 from kvbaton.sched.outputs import ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs, TransferFailure
 
@@ -51,6 +52,8 @@ class ModelRunner:
         # unsplit context, so its sums never depend on the batch, the chunking or the thread count.
         self.per_token_attention = attention == "c-per-token"
         self.decode_kernel, self.prefill_kernel = self._attention_kernels(model.config.num_attention_heads, attention)
+        # decode steps without per-layer Python, where the model and the plan allow it (the C layer loop)
+        model.layer_loop = build_layer_loop(model, self.kv_caches, self.block_size, self.decode_kernel)
         self._generators: dict[str, torch.Generator] = {}
         self._seed = seed
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed

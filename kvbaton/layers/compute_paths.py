@@ -14,6 +14,7 @@ from torch import nn
 
 from kvbaton.config import ConfigError
 from kvbaton.kernels import add_rms_norm_kernel, dot_linear, pack_amx, pack_linear, small_batch_linear
+from kvbaton.kernels.activation import silu_mul_kernel
 from kvbaton.kernels.linear import DotLinear, Packer, SmallBatchLinear, pack_now
 from kvbaton.kernels.moe import (
     GATE_MAX_ROWS,
@@ -59,6 +60,8 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
     keep_fp32 = weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES
     rows_kernel = _rows_kernel(plan)
     norm_kernel = add_rms_norm_kernel() if plan.norm == "c" else None
+    # the C activation goes with the C norms: the rows whose decode steps the C layer loop runs
+    silu_mul = silu_mul_kernel() if plan.norm == "c" else None
     gated = set()  # gate/up projections computed by their MLP's fused kernel: no plain packed copy
     moe_kernel = _moe_kernel(plan)
     # the gate: up to GATE_MAX_ROWS tokens (PyTorch beyond), every count in deterministic mode (batch-invariant)
@@ -74,6 +77,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
                                                packer=packer(f"{name}.fused_gate_up")) if fits else None
             if module.fused_gate_up is not None:
                 gated.add(proj)
+            module.silu_mul = silu_mul if proj.weight.dtype == torch.bfloat16 else None
         elif isinstance(module, RMSNorm):
             suits = norm_kernel is not None and norm_kernel.supports_weight(module.weight)
             module.kernel = norm_kernel if suits else None

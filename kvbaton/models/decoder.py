@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -15,9 +17,20 @@ from kvbaton.layers.rope import RotaryEmbedding
 KVCache = torch.Tensor  # one layer's pool (its shape: the family's KV layout)
 
 
+class LayerLoop(Protocol):
+    """All layers of a step in one call (kvbaton.models.layer_loop: the C loop of decode steps)."""
+
+    def runs(self, meta: AttentionMetadata, kv_caches: list[KVCache], rows: int) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+
 class DecoderStack(nn.Module):
     """`forward` takes a step's flattened tokens and returns logits only where asked. Each layer is called as
-    `layer(cos_sin, x, residual, kv_cache, meta) -> (x, residual)`, the residual adds fused into its norms."""
+    `layer(cos_sin, x, residual, kv_cache, meta) -> (x, residual)`, the residual adds fused into its norms;
+    a step the `layer_loop` takes (set by the runner) runs all layers in one call instead."""
+
+    layer_loop: LayerLoop | None = None
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layers: list[nn.Module]) -> None:
         super().__init__()
@@ -36,12 +49,16 @@ class DecoderStack(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
-        cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
+        loop = self.layer_loop
         residual: torch.Tensor | None = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
-            if meta.after_layer is not None:
-                meta.after_layer(i)
+        if loop is not None and loop.runs(meta, kv_caches, x.shape[0]):
+            residual = loop(x, positions, meta)  # x: the last layer's output, in place
+        else:
+            cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                x, residual = layer(cos_sin, x, residual, kv_cache, meta)
+                if meta.after_layer is not None:
+                    meta.after_layer(i)
         assert residual is not None, "the model has no layers (or no KV caches)"
         x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
         return self.lm_head(x).float()  # [S, V]

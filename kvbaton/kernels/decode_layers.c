@@ -1,0 +1,271 @@
+/* The layer loop of a step whose every token attends as a decode query, in C: no Python between layers.
+ *
+ * Why by hand: a batch-1 decode step of a 135M model streams ~270 MB of weights, ~5 ms at a 2-core
+ * machine's read bandwidth, and the same step driven from Python cost ~10 ms: ~10 module calls per layer,
+ * each a few microseconds of dispatch, tensor allocation and ctypes marshalling around a kernel of tens of
+ * microseconds. Here one call runs every layer over weights and a paged KV pool described once
+ * (`LayerSpec`, built at start-up by kvbaton.models.layer_loop), calling the very kernels the Python loop
+ * calls (same functions, same arguments, same roundings), so the two give the same bits: a step may take
+ * either and a token's output does not change (deterministic serving relies on it).
+ *
+ * Per layer (Llama family, dense MLP), T rows:
+ *   h, residual = add_rms_norm(x, residual)          norm_bf16.c
+ *   qkv = h Wqkv^T (+ b)                              the linear's kernel for T rows (below)
+ *   rotate q and k heads (RoPE, rotate-half)          here: bf16(bf16(x * cos) + swapped * signed_sin),
+ *                                                     as PyTorch's mul_ + addcmul_ round it
+ *   K/V rows -> the pool at their slots               here
+ *   attention over each row's context                 paged_attention.c (fp32 q, fp32 out)
+ *   x = attn Wo^T; h, residual = add_rms_norm(x, residual)
+ *   x = down(silu(gate(h)) * up(h))                   the gated GEMM, or a linear + silu_mul_bf16.c
+ *
+ * Where what comes next plugs in: a tensor-parallel all-reduce after o_proj and down (a callback slot in
+ * the stack spec, like `after_layer`); attention/FFN disaggregation splits `run_layer` at the second norm
+ * (the attention half here, the FFN half on expert workers); several draft tokens per sequence are rows
+ * with their own context lengths (the per-row block table and lengths already allow it).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec8.h"
+
+/* The kernels this loop calls: their own sources document them. */
+int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y, int out_mode,
+                       int64_t m, int64_t n, int64_t k, int isa, int num_threads);
+int kvbaton_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
+                        int64_t k, int num_threads);
+int kvbaton_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, void *y, int out_mode, int64_t m,
+                     int64_t n, int64_t k, int num_threads);
+int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, const float *bias, void *y, int mode,
+                        int64_t m, int64_t n, int64_t k, int num_threads);
+void kvbaton_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
+                               const uint16_t *weight, int64_t rows, int64_t dim, float eps, int num_threads);
+void kvbaton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads);
+int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const float *q, float *out,
+                                   const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
+                                   int64_t max_blocks, int block_size, int num_kv_heads, int group, int head_dim,
+                                   float scale, int num_threads, int allow_split);
+
+enum { ISA_GENERIC = 0 };                              /* linear_dot.c's */
+enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_SILU_MUL = 2 };  /* linear_dot.c's and gemm_packed.c's */
+
+/* Which kernel computes a linear for a row count: kvbaton.layers.linear's paths, in its order of preference. */
+enum { LIN_NONE = 0, LIN_DOT = 1, LIN_STREAM = 2, LIN_AMX = 3, LIN_PACKED = 4, LIN_PACKED_GATED = 5 };
+#define LINEAR_OPTIONS 3
+
+typedef struct {
+    int32_t kind;
+    int32_t isa;               /* LIN_DOT: linear_dot.c's instruction set */
+    int64_t max_rows;          /* the most rows it takes; 0: every count */
+    const void *weight;        /* DOT / STREAM: the [N, K] weight; AMX / PACKED: its packed copy */
+    int64_t weight_bytes;      /* bytes per weight element */
+    const float *bias;         /* fp32 (AMX / PACKED: zero-padded to whole panels), or NULL */
+    int64_t packed_n;          /* PACKED_GATED: the packed weight's columns (gate and up interleaved) */
+} LinearOption;
+
+typedef struct {
+    LinearOption options[LINEAR_OPTIONS];  /* the first that takes the step's rows computes it */
+    int64_t n, k;                          /* outputs (PACKED_GATED: after the gating) and inputs */
+} LinearSpec;
+
+typedef struct {
+    const uint16_t *input_norm, *post_norm;  /* bf16 [hidden] */
+    LinearSpec qkv, o, gate_up, down;
+    void *kv_cache;                          /* [slots, 2, Hkv, D] in kv_format */
+} LayerSpec;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    int32_t block_size, kv_format, num_threads, allow_split;
+    const uint16_t *cos, *sin;  /* bf16 [max_positions, head_dim]: RoPE's table, sin signed ([-sin, sin]) */
+} StackSpec;
+
+static const LinearOption *pick(const LinearSpec *l, int64_t rows) {
+    for (int i = 0; i < LINEAR_OPTIONS; i++) {
+        const LinearOption *o = &l->options[i];
+        if (o->kind != LIN_NONE && (o->max_rows == 0 || rows <= o->max_rows)) return o;
+    }
+    return NULL;
+}
+
+/* ---- workspace: every intermediate of a layer, carved out of one caller-owned buffer ---- */
+
+typedef struct {
+    uint16_t *h, *qkv, *attn, *gate_up, *act;
+    float *q32, *attn32, *f32_in, *f32_out;
+} Workspace;
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+static int64_t carve(const StackSpec *s, int64_t rows, char *base, Workspace *w) {
+    const int64_t q = s->num_heads * s->head_dim, qkv = q + 2 * s->num_kv_heads * s->head_dim;
+    const int64_t inter = s->intermediate, widest_in = max3(s->hidden, q, inter);
+    const int64_t widest_out = max3(qkv, s->hidden, 2 * inter);
+    int64_t off = 0;
+#define SLICE(field, type, count)                                   \
+    if (base) w->field = (type *)(base + off);                      \
+    off += ((int64_t)sizeof(type) * rows * (count) + 63) / 64 * 64;
+    SLICE(h, uint16_t, s->hidden)
+    SLICE(qkv, uint16_t, qkv)
+    SLICE(attn, uint16_t, q)
+    SLICE(gate_up, uint16_t, 2 * inter)
+    SLICE(act, uint16_t, inter)
+    SLICE(q32, float, q)
+    SLICE(attn32, float, q)
+    SLICE(f32_in, float, widest_in)
+    SLICE(f32_out, float, widest_out)
+#undef SLICE
+    return off;
+}
+
+/* Bytes of workspace a step of `rows` rows needs. */
+int64_t kvbaton_decode_layers_workspace(const StackSpec *s, int64_t rows) { return carve(s, rows, NULL, NULL); }
+
+/* ---- the pieces between the kernels ---- */
+
+static void widen(const uint16_t *x, float *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(x[i]);
+}
+
+static void narrow(const float *x, uint16_t *out, int64_t n) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(x[i]);
+}
+
+/* y[rows, n] = x[rows, k] W^T (+ b) in bf16 with the option's kernel (PACKED_GATED: silu(gate) * up).
+ * The conversions are those of the Python wrappers (kvbaton.kernels.linear), so the bits match theirs. */
+static int linear(const StackSpec *s, const LinearOption *o, const LinearSpec *l, const uint16_t *x, uint16_t *y,
+                  int64_t rows, const Workspace *w) {
+    const int threads = s->num_threads;
+    switch (o->kind) {
+    case LIN_DOT:
+        if (o->isa != ISA_GENERIC)
+            return kvbaton_linear_dot(x, o->weight, (int)o->weight_bytes, o->bias, y, OUT_BF16, rows, l->n, l->k,
+                                      o->isa, threads);
+        widen(x, w->f32_in, rows * l->k);
+        return kvbaton_linear_dot(w->f32_in, o->weight, (int)o->weight_bytes, o->bias, y, OUT_BF16, rows, l->n,
+                                  l->k, o->isa, threads);
+    case LIN_STREAM: {
+        widen(x, w->f32_in, rows * l->k);
+        const int rc = kvbaton_linear_bf16(w->f32_in, o->weight, o->bias, w->f32_out, rows, l->n, l->k, threads);
+        narrow(w->f32_out, y, rows * l->n);
+        return rc;
+    }
+    case LIN_AMX:
+        return kvbaton_gemm_amx(x, o->weight, o->bias, y, OUT_BF16, rows, l->n, l->k, threads);
+    case LIN_PACKED:
+    case LIN_PACKED_GATED: {
+        widen(x, w->f32_in, rows * l->k);
+        const int gated = o->kind == LIN_PACKED_GATED;
+        return kvbaton_gemm_packed(w->f32_in, o->weight, (int)o->weight_bytes, o->bias, y,
+                                   gated ? OUT_SILU_MUL : OUT_BF16, rows, gated ? o->packed_n : l->n, l->k, threads);
+    }
+    }
+    return -1;
+}
+
+/* Rotate the first `heads` heads of each row of qkv in place (rotate-half layout): for i < D/2,
+ * x[i] <- x[i] cos[i] + x[i + D/2] sin[i], and x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2], sin
+ * signed. Rounded as PyTorch's bf16 `x.mul_(cos).addcmul_(swapped, sin)`: the product to bf16, then the sum in
+ * fp32 (the bf16 x bf16 product is exact there, fused or not) to bf16. */
+static void rope(const StackSpec *s, uint16_t *qkv, int64_t row_width, const int64_t *positions, int64_t rows,
+                 int64_t heads) {
+    const int64_t d = s->head_dim, half = d / 2;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *cos = s->cos + positions[r] * d, *sin = s->sin + positions[r] * d;
+        for (int64_t h = 0; h < heads; h++) {
+            uint16_t *x = qkv + r * row_width + h * d;
+            float orig[512];  /* head_dim <= 256 (checked by the caller) */
+            widen(x, orig, d);
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) {
+                const float swapped = orig[i < half ? i + half : i - half];
+                const float scaled = round_bf16(orig[i] * bf16_to_f32(cos[i]));
+                x[i] = f32_to_bf16(scaled + swapped * bf16_to_f32(sin[i]));
+            }
+        }
+    }
+}
+
+/* Each row's K and V heads (adjacent in qkv, as the pool stores a slot: [2, Hkv, D]) into its slot. */
+static void write_kv(const StackSpec *s, void *kv_cache, const uint16_t *qkv, int64_t row_width, int64_t q_width,
+                     const int64_t *slots, int64_t rows) {
+    const int64_t n = 2 * s->num_kv_heads * s->head_dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *src = qkv + r * row_width + q_width;
+        if (s->kv_format == KV_BF16)
+            memcpy((uint16_t *)kv_cache + slots[r] * n, src, (size_t)n * sizeof(uint16_t));
+        else
+            widen(src, (float *)kv_cache + slots[r] * n, n);
+    }
+}
+
+static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t *x, uint16_t *residual,
+                     const int64_t *positions, const int64_t *slots, const int64_t *block_table, int64_t max_blocks,
+                     const int64_t *context_lens, int64_t rows, const Workspace *w) {
+    const int threads = s->num_threads;
+    const int64_t e = s->hidden, q_width = s->num_heads * s->head_dim, row_width = l->qkv.n;
+    if (first) {  /* no residual yet: it starts as the embeddings */
+        memcpy(residual, x, (size_t)(rows * e) * sizeof(uint16_t));
+        kvbaton_add_rms_norm_bf16(residual, NULL, residual, w->h, l->input_norm, rows, e, s->eps, threads);
+    } else {
+        kvbaton_add_rms_norm_bf16(x, residual, residual, w->h, l->input_norm, rows, e, s->eps, threads);
+    }
+    int rc = linear(s, pick(&l->qkv, rows), &l->qkv, w->h, w->qkv, rows, w);
+    if (rc) return rc;
+    rope(s, w->qkv, row_width, positions, rows, s->num_heads + s->num_kv_heads);
+    write_kv(s, l->kv_cache, w->qkv, row_width, q_width, slots, rows);
+    for (int64_t r = 0; r < rows; r++) widen(w->qkv + r * row_width, w->q32 + r * q_width, q_width);
+    rc = kvbaton_paged_decode_attention(l->kv_cache, s->kv_format, w->q32, w->attn32, block_table, context_lens, rows,
+                                        max_blocks, s->block_size, (int)s->num_kv_heads,
+                                        (int)(s->num_heads / s->num_kv_heads), (int)s->head_dim, s->scale, threads,
+                                        s->allow_split);
+    if (rc) return rc;
+    narrow(w->attn32, w->attn, rows * q_width);
+    if ((rc = linear(s, pick(&l->o, rows), &l->o, w->attn, x, rows, w))) return rc;
+    kvbaton_add_rms_norm_bf16(x, residual, residual, w->h, l->post_norm, rows, e, s->eps, threads);
+    const LinearOption *gate_up = pick(&l->gate_up, rows);
+    if (gate_up->kind == LIN_PACKED_GATED) {
+        rc = linear(s, gate_up, &l->gate_up, w->h, w->act, rows, w);
+    } else {
+        rc = linear(s, gate_up, &l->gate_up, w->h, w->gate_up, rows, w);
+        kvbaton_silu_mul_bf16(w->gate_up, w->act, rows, s->intermediate, threads);
+    }
+    if (rc) return rc;
+    return linear(s, pick(&l->down, rows), &l->down, w->act, x, rows, w);
+}
+
+/* Whether every layer has a kernel for `rows` rows (nothing else this loop needs can be missing: the
+ * builder checked the rest once). */
+int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int64_t rows) {
+    if (rows < 1) return 0;
+    for (int64_t i = 0; i < s->num_layers; i++) {
+        const LayerSpec *l = &layers[i];
+        if (!pick(&l->qkv, rows) || !pick(&l->o, rows) || !pick(&l->gate_up, rows) || !pick(&l->down, rows))
+            return 0;
+    }
+    return 1;
+}
+
+/* x: [rows, hidden] bf16, the embeddings in, the last layer's output (before its residual add) out;
+ * residual: [rows, hidden] bf16, written; positions, slots, context_lens: [rows] int64; block_table: [rows,
+ * max_blocks] int64; workspace: kvbaton_decode_layers_workspace(rows) bytes, 64-byte aligned.
+ * Returns 0; -1 for a step it does not take (checked before anything is written); -2 for a short workspace;
+ * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step). */
+int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t *x, uint16_t *residual,
+                          const int64_t *positions, const int64_t *slots, const int64_t *block_table,
+                          int64_t max_blocks, const int64_t *context_lens, int64_t rows, void *workspace,
+                          int64_t workspace_bytes) {
+    if (s->head_dim > 256 || s->head_dim % 2 || (s->kv_format != KV_BF16 && s->kv_format != KV_F32)
+        || !kvbaton_decode_layers_take(s, layers, rows))
+        return -1;
+    if (workspace_bytes < kvbaton_decode_layers_workspace(s, rows)) return -2;
+    Workspace w;
+    carve(s, rows, (char *)workspace, &w);
+    for (int64_t i = 0; i < s->num_layers; i++)
+        if (run_layer(s, &layers[i], i == 0, x, residual, positions, slots, block_table, max_blocks, context_lens,
+                      rows, &w))
+            return -3;
+    return 0;
+}

@@ -1,0 +1,161 @@
+"""Decode steps without per-layer Python: the Llama family's layers described once for the C layer loop
+(kvbaton.kernels.layer_loop, decode_layers.c), which then runs every layer of a step in one call.
+
+The runner builds it at start-up, after the compute plan gave each layer its kernels: each linear's C kernels
+(the ones `Linear.forward` would pick, in its order), the C norms, the C SwiGLU activation, the C decode
+attention and the KV pools. A step takes it when all its tokens attend as decode queries (a decode batch, or any
+step of deterministic mode's per-token attention) and every linear has a C kernel for its row count; any other
+step, and any model it does not describe (MoE layers, q/k norms, clamped qkv, latent attention, fp32 weights,
+quantized KV pools, `KVBATON_LAYER_LOOP=0`), runs the Python loop. Both call the same kernels in the same order,
+so they give the same bits (tests/models/test_layer_loop.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from kvbaton.kernels import AMXLinear, DotLinear, PackedLinear, PagedDecodeKernel, SmallBatchLinear
+from kvbaton.kernels.layer_loop import (
+    KV_FORMATS,
+    LIN_AMX,
+    LIN_DOT,
+    LIN_PACKED,
+    LIN_PACKED_GATED,
+    LIN_STREAM,
+    MAX_HEAD_DIM,
+    DecodeLayers,
+    KernelChoice,
+    LayerSpec,
+    StackSpec,
+    decode_layers,
+    linear_spec,
+)
+from kvbaton.kernels.linear import MAX_LINEAR_ROWS, PANEL
+from kvbaton.layers.attention import AttentionMetadata
+from kvbaton.layers.linear import Linear
+from kvbaton.layers.mlp import MLP
+from kvbaton.models.llama import DecoderLayer, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+LAYER_LOOP_ENV = "KVBATON_LAYER_LOOP"  # 0: every step through the Python loop (benchmarks compare the two)
+
+
+class LayerLoop:
+    """The C loop over one model's layers and KV pools; `runs` says whether it takes a step."""
+
+    def __init__(self, layers: DecodeLayers, kv_caches: list[torch.Tensor], decode_kernel: PagedDecodeKernel,
+                 max_positions: int) -> None:
+        self.layers = layers
+        self.kv_caches = kv_caches
+        self.decode_kernel = decode_kernel
+        self.max_positions = max_positions
+
+    def runs(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor], rows: int) -> bool:
+        # NOTE: after_layer (layer-wise KV sending) needs Python between layers; a prefill worker's steps have it
+        return (not meta.prefills and meta.after_layer is None and meta.num_decodes == rows
+                and meta.block_size == self.layers.stack.block_size
+                and meta.decode_kernel is self.decode_kernel and kv_caches is self.kv_caches
+                and self.layers.takes(rows))
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x: the step's embeddings [T, E], overwritten by the last layer's output -> the residual stream."""
+        table, lens = meta.decode_block_table, meta.decode_context_lens
+        assert table is not None and lens is not None, "a decode step carries its block table"
+        if int(positions.max()) >= self.max_positions:  # the C loop reads RoPE's table without bounds checks
+            raise IndexError(f"position {int(positions.max())} is past the RoPE table ({self.max_positions})")
+        return self.layers(x, positions.contiguous(), meta.slot_mapping.contiguous(), table.contiguous(),
+                           lens.contiguous())
+
+
+def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+                     decode_kernel: PagedDecodeKernel | None) -> LayerLoop | None:
+    """The C loop for this model and these pools, or None (with the reason logged) where it does not apply."""
+    reason = _why_not(model, kv_caches, decode_kernel)
+    if reason is not None:
+        log.info("decode steps run the Python layer loop: %s", reason)
+        return None
+    assert isinstance(model, LlamaForCausalLM) and decode_kernel is not None
+    cfg = model.config
+    keep: list[torch.Tensor] = [model.rope.cos, model.rope.sin, *kv_caches]
+    decoder_layers = [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
+    layers = [_layer_spec(layer, cache, keep) for layer, cache in zip(decoder_layers, kv_caches)]
+    if any(spec is None for spec in layers):
+        log.info("decode steps run the Python layer loop: a linear has no C kernel for one row")
+        return None
+    first = decoder_layers[0]
+    stack = StackSpec(num_layers=len(layers), hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                      num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                      intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, scale=first.self_attn.attn.scale,
+                      block_size=block_size, kv_format=KV_FORMATS[kv_caches[0].dtype],
+                      num_threads=decode_kernel.num_threads, allow_split=int(decode_kernel.split_context),
+                      cos=model.rope.cos.data_ptr(), sin=model.rope.sin.data_ptr())
+    loop = decode_layers(stack, [s for s in layers if s is not None], keep)
+    if loop is None:
+        return None
+    log.info("decode steps run the C layer loop (%d layers)", len(layers))
+    return LayerLoop(loop, kv_caches, decode_kernel, model.rope.cos.shape[0])
+
+
+def _why_not(model: torch.nn.Module, kv_caches: list[torch.Tensor],
+             decode_kernel: PagedDecodeKernel | None) -> str | None:
+    if os.environ.get(LAYER_LOOP_ENV, "1") == "0":
+        return f"{LAYER_LOOP_ENV}=0"
+    if not isinstance(model, LlamaForCausalLM):
+        return f"{type(model).__name__} is not a Llama-family model"
+    cfg = model.config
+    if decode_kernel is None:
+        return "the compute plan's decode attention is PyTorch's"
+    if model.embed_tokens.weight.dtype != torch.bfloat16 or model.rope.cos.dtype != torch.bfloat16:
+        return "the loop computes bf16 models (fp32 ones are the parity oracle's, in PyTorch)"
+    if cfg.qk_norm or cfg.clip_qkv is not None:
+        return "q/k norms and qkv clamps are not in the loop"
+    if any(not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, MLP) for layer in model.layers):
+        return "MoE layers are not in the loop"
+    if len(kv_caches) != len(model.layers) or any(c.dtype not in KV_FORMATS or not c.is_contiguous() or c.dim() != 4
+                                                  for c in kv_caches):
+        return "the loop writes bf16 or fp32 KV pools (a quantized pool is the Python loop's)"
+    if cfg.head_dim > MAX_HEAD_DIM or cfg.head_dim % 2:
+        return f"head_dim {cfg.head_dim}"
+    return None
+
+
+def _layer_spec(layer: DecoderLayer, kv_cache: torch.Tensor, keep: list[torch.Tensor]) -> LayerSpec | None:
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    mlp = layer.mlp
+    assert isinstance(mlp, MLP)
+    if any(n.kernel is None for n in norms) or mlp.silu_mul is None:
+        return None
+    attn = layer.self_attn
+    gate_up = _choices(mlp.gate_up_proj)
+    fused = mlp.fused_gate_up
+    if fused is not None:  # what MLP.forward runs where the rows kernel does not take the rows
+        gate_up.append(KernelChoice(LIN_PACKED_GATED, fused.weight, None, packed_n=fused.weight.shape[0] * PANEL))
+    specs = [linear_spec(_choices(attn.qkv_proj), attn.qkv_proj.out_features, attn.qkv_proj.in_features, keep),
+             linear_spec(_choices(attn.o_proj), attn.o_proj.out_features, attn.o_proj.in_features, keep),
+             linear_spec(gate_up, mlp.gate_up_proj.out_features, mlp.gate_up_proj.in_features, keep),
+             linear_spec(_choices(mlp.down_proj), mlp.down_proj.out_features, mlp.down_proj.in_features, keep)]
+    if any(s.options[0].kind == 0 for s in specs):
+        return None
+    keep.extend(n.weight for n in norms)
+    return LayerSpec(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *specs, kv_cache.data_ptr())
+
+
+def _choices(linear: Linear) -> list[KernelChoice]:
+    """The C kernels `Linear.forward` tries, in its order (rows kernel, tile kernel, packed)."""
+    out = []
+    bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+    rows = linear.rows_kernel
+    if isinstance(rows, DotLinear):
+        out.append(KernelChoice(LIN_DOT, linear.weight.detach(), rows.max_rows, bias, isa=rows.isa))
+    elif isinstance(rows, SmallBatchLinear):
+        out.append(KernelChoice(LIN_STREAM, linear.weight.detach(), MAX_LINEAR_ROWS, bias))
+    tiles = linear.tile_kernel
+    if isinstance(tiles, AMXLinear):
+        out.append(KernelChoice(LIN_AMX, tiles.weight, tiles.max_rows, tiles.bias))
+    if isinstance(linear.packed, PackedLinear):
+        out.append(KernelChoice(LIN_PACKED, linear.packed.weight, None, linear.packed.bias))
+    return out

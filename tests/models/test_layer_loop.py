@@ -1,0 +1,103 @@
+"""The C layer loop of decode steps (kvbaton.models.layer_loop): it runs the steps it takes, gives the same bits as
+the Python loop on every compute path this machine can run (so a token never depends on which loop ran its step),
+and leaves every model and step it does not describe to the Python loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvbaton import LLM, SamplingParams
+from kvbaton.config import ConfigError
+from kvbaton.kernels.linear import amx_enabled
+from kvbaton.layers.attention import AttentionMetadata
+from kvbaton.models.layer_loop import LAYER_LOOP_ENV, LayerLoop
+from kvbaton.platform.compute import choose_compute_plan
+from kvbaton.platform.cpu import detect_cpu
+from tests.support.helpers import tiny_prompts
+
+PATHS = [pytest.param(p, d, id=p + ("-deterministic" if d else "")) for p in ("amx", "avx512-bf16", "avx2")
+         for d in (False, True)]
+
+
+class CountingLoop:
+    """The model's own loop, counting the steps it took (and their rows)."""
+
+    def __init__(self, loop: LayerLoop) -> None:
+        self.loop = loop
+        self.steps: list[int] = []
+
+    def runs(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor], rows: int) -> bool:
+        return self.loop.runs(meta, kv_caches, rows)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.steps.append(x.shape[0])
+        return self.loop(x, positions, meta)
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p, "prompt": None} for p in prompts], params)
+    return [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in outs]
+
+
+@pytest.mark.parametrize("path, deterministic", PATHS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3"])  # untied; q/k/v biases and tied; Llama-3 RoPE
+def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, deterministic):
+    try:
+        choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
+    except ConfigError as exc:
+        pytest.skip(f"this CPU cannot run it: {exc}")
+    # NOTE: no prefix caching: the second run's prompts would reuse the first's blocks, and a prompt step over a
+    # cached prefix attends differently (SDPA over a masked context) from a whole prompt's
+    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", block_size=8, compute_path=path, deterministic=deterministic,
+              enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    assert isinstance(model.layer_loop, LayerLoop)
+    counting = CountingLoop(model.layer_loop)
+    model.layer_loop = counting
+    prompts = tiny_prompts(3, [9, 30, 17])  # decode batches of 3, then 2 and 1 rows as requests finish
+    with_loop = generate(llm, prompts)
+    assert counting.steps, "no step ran the C loop"
+    if deterministic:  # every token attends as a decode query: prompt steps run the loop too
+        assert max(counting.steps) > len(prompts)
+    model.layer_loop = None
+    assert generate(llm, prompts) == with_loop
+
+
+def test_steps_it_does_not_take_run_the_python_loop(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
+    model = llm.engine.core.runner.model
+    loop = model.layer_loop
+    if loop is None:
+        pytest.skip("no C layer loop on this machine's compute path")
+    counting = CountingLoop(loop)
+    model.layer_loop = counting
+    generate(llm, tiny_prompts(5, [20]))
+    # the prompt step (a prefill) ran in Python: every step the loop took was one decode row
+    assert counting.steps and set(counting.steps) == {1}
+    many = llm.engine.core.compute_plan.few_rows + 1  # avx512-bf16: oneDNN computes 5 rows, so Python does
+    assert loop.layers.takes(many) == (llm.engine.core.compute_plan.path != "avx512-bf16")
+
+
+@pytest.mark.parametrize("case", ["fp32", "qk-norm", "int8-kv", "env"])
+def test_models_it_does_not_describe_keep_the_python_loop(tiny_models, monkeypatch, case):
+    kwargs: dict = {"dtype": "bfloat16", "block_size": 8}
+    arch = "llama"
+    if case == "fp32":
+        kwargs["dtype"] = "float32"
+    elif case == "qk-norm":
+        arch = "qwen3"
+    elif case == "int8-kv":
+        kwargs["kv_cache_dtype"] = "int8"
+    else:
+        monkeypatch.setenv(LAYER_LOOP_ENV, "0")
+    llm = LLM(str(tiny_models[arch]), **kwargs)
+    assert llm.engine.core.runner.model.layer_loop is None
+    outputs = generate(llm, tiny_prompts(7, [11]))
+    assert len(outputs[0][0]) == 12
+
+
+def test_moe_models_keep_the_python_loop(tiny_moe_models):
+    llm = LLM(str(tiny_moe_models["mixtral"]), dtype="bfloat16", block_size=8)
+    assert llm.engine.core.runner.model.layer_loop is None
