@@ -65,6 +65,29 @@ def test_paged_decode_matches_fp32_reference(dtype, heads, kv_heads, head_dim, b
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 4), (4, 4, 32, 32),
+                                                                (12, 2, 96, 8)])
+@pytest.mark.parametrize("lens", [[1], [1, 16, 17, 300], [700, 5]])
+@pytest.mark.parametrize("q_kind", ["bf16-values", "fp32-values"])
+def test_paged_decode_over_a_bf16_pool_is_fp32_exact(heads, kv_heads, head_dim, block_size, lens, q_kind):
+    """A bf16 pool read with fp32 queries, checked in fp32: bf16-valued queries (a bf16 model's) take the
+    AVX512-BF16 path where the CPU has it (bf16 pairs multiplied exactly), others the fp32 tiles'."""
+    torch.manual_seed(len(lens) * 11 + head_dim)
+    nb = -(-max(lens) // block_size)
+    num_blocks = len(lens) * nb + 3
+    pool = torch.randn(num_blocks * block_size, 2, kv_heads, head_dim).bfloat16()
+    table = torch.randperm(num_blocks)[: len(lens) * nb].view(len(lens), nb)
+    q = torch.randn(len(lens), heads, head_dim)
+    if q_kind == "bf16-values":
+        q = q.bfloat16().float()
+    kernel = paged_decode_kernel(torch.bfloat16, heads, kv_heads, head_dim)
+    for split in (True, False):
+        kernel.split_context = split
+        out = kernel(q, pool, table, torch.tensor(lens), block_size, head_dim**-0.5)
+        torch.testing.assert_close(out, reference_decode(q, pool.float(), table, lens, block_size), atol=1e-5,
+                                   rtol=1e-5)
+
+
 def quantized_pool(storage, slots, kv_heads, head_dim):
     """Rows of every magnitude quantized as the engine writes them; for fp8, every fifth token's rows are
     random codes instead (every finite e4m3 value, subnormals included) with a scale of 1/448."""
