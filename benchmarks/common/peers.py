@@ -127,6 +127,8 @@ class Peers:
         if os.environ.get("PYTHON"):
             return os.environ["PYTHON"]
         for py in (sys.executable, str(self.vllm_python)):
+            if not Path(py).exists():  # vLLM's venv is set up only when vLLM is measured
+                continue
             probe = subprocess.run([py, "-c", "import sentencepiece, torch, numpy, transformers"],
                                    capture_output=True)
             if probe.returncode == 0:

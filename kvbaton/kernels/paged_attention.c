@@ -51,6 +51,21 @@ static inline void prefetch_tokens(const Shape *s, const int64_t *blocks, int64_
     for (size_t off = 0; off < n * token_bytes; off += 64) __builtin_prefetch(first + off);
 }
 
+/* Slice `part` of `parts` of what prefetch_tokens asks for: spread over a tile's heads, so the requests trickle
+ * out (a whole tile at once is ~200 lines, far more than a core's miss buffers hold: most were dropped). */
+static inline void prefetch_tokens_part(const Shape *s, const int64_t *blocks, int64_t pos, int64_t end, int part,
+                                        int parts) {
+    const int64_t slot = blocks[pos / s->block_size] * s->block_size + pos % s->block_size;
+    int64_t n = s->block_size - pos % s->block_size;
+    if (n > TILE) n = TILE;
+    if (n > end - pos) n = end - pos;
+    const size_t token_bytes = 2 * (size_t)s->num_kv_heads * kv_row_bytes(s->kv_format, s->head_dim);
+    const size_t lines = (n * token_bytes + 63) / 64, first_line = lines * part / parts,
+                 last_line = lines * (part + 1) / parts;
+    const char *first = (const char *)s->kv + slot * token_bytes;
+    for (size_t line = first_line; line < last_line; line++) __builtin_prefetch(first + line * 64);
+}
+
 /* Attend all H query heads of one request over tokens [start, end) of its context.
  * Writes the unnormalized output [H, D] plus each head's running max and sum.
  * NOTE: the fp32 tiles are packed (row stride = one token's K or V, not a compile-time
@@ -314,6 +329,7 @@ static inline int quant_path(const Shape *s) {
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#define PF_BF16 16
 #define BH_HEADS 4    /* query heads whose PV accumulators stay in registers together */
 #define BH_CHUNK 64   /* head dims per pass of PV: 4 vectors of 16 floats */
 
@@ -423,6 +439,7 @@ static inline __attribute__((always_inline)) void attend_range_bf16_d(const Shap
     uint16_t qb[MAX_HEADS * MAX_HEAD_DIM];
     float w[MAX_HEADS][TILE], correction[MAX_HEADS];
     const __m512 scale = _mm512_set1_ps(s->scale);
+    if (start < end) prefetch_tokens(s, blocks, start, end);  /* the first tile, while q is converted */
     for (int h = 0; h < num_heads; h++) {
         for (int i = 0; i < d; i++) {
             qb[h * d + i] = f32_to_bf16(q[h * d + i]);  /* exact: the caller checked */
@@ -436,11 +453,12 @@ static inline __attribute__((always_inline)) void attend_range_bf16_d(const Shap
         const int offset = (int)(pos % s->block_size);
         int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
         if (n > TILE) n = TILE;
-        if (pos + n + PF < end) prefetch_tokens(s, blocks, pos + n + PF, end);
+        const int64_t ahead = pos + n + PF_BF16;
         const uint16_t *tile = (const uint16_t *)s->kv + (block * s->block_size + offset) * token;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         for (int g = 0; g < s->num_kv_heads; g++) {
             for (int h = g * g_size; h < (g + 1) * g_size; h++) {
+                if (ahead < end) prefetch_tokens_part(s, blocks, ahead, end, h, num_heads);
                 __m512 sc = _mm512_mul_ps(score_tile_bf16(qb + h * d, tile + g * d, token, n, d), scale);
                 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), valid, sc);
                 const float block_max = _mm512_reduce_max_ps(sc);
