@@ -65,8 +65,11 @@ class LayerLoop:
         """x: the step's embeddings [T, E], overwritten by the last layer's output -> the residual stream."""
         table, lens = meta.decode_block_table, meta.decode_context_lens
         assert table is not None and lens is not None, "a decode step carries its block table"
-        if int(positions.max()) >= self.max_positions:  # the C loop reads RoPE's table without bounds checks
+        # NOTE: the C loop indexes RoPE's table and the pools without bounds checks (PyTorch's indexing had them)
+        if int(positions.max()) >= self.max_positions:
             raise IndexError(f"position {int(positions.max())} is past the RoPE table ({self.max_positions})")
+        if int(meta.slot_mapping.max()) >= self.kv_caches[0].shape[0]:
+            raise IndexError(f"slot {int(meta.slot_mapping.max())} is past the KV pool ({self.kv_caches[0].shape[0]})")
         return self.layers(x, positions.contiguous(), meta.slot_mapping.contiguous(), table.contiguous(),
                            lens.contiguous())
 
