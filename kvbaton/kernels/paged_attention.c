@@ -39,13 +39,20 @@ typedef struct {
     float scale;
 } Shape;
 
+/* The tile at context position pos: its token count (up to TILE, within one block and the range) and, in
+ * first_slot, the pool slot of its first token. */
+static inline int next_tile(const Shape *s, const int64_t *blocks, int64_t pos, int64_t end, int64_t *first_slot) {
+    const int offset = (int)(pos % s->block_size);
+    *first_slot = blocks[pos / s->block_size] * s->block_size + offset;
+    const int64_t n = end - pos < s->block_size - offset ? end - pos : s->block_size - offset;
+    return n > TILE ? TILE : (int)n;
+}
+
 /* Ask for the K/V of the next tile while this one is computed: blocks sit at random places in
  * the pool, so the hardware prefetcher only catches up halfway through each block. */
 static inline void prefetch_tokens(const Shape *s, const int64_t *blocks, int64_t pos, int64_t end) {
-    const int64_t slot = blocks[pos / s->block_size] * s->block_size + pos % s->block_size;
-    int64_t n = s->block_size - pos % s->block_size;
-    if (n > TILE) n = TILE;
-    if (n > end - pos) n = end - pos;
+    int64_t slot;
+    const int n = next_tile(s, blocks, pos, end, &slot);
     const size_t token_bytes = 2 * (size_t)s->num_kv_heads * kv_row_bytes(s->kv_format, s->head_dim);
     const char *first = (const char *)s->kv + slot * token_bytes;
     for (size_t off = 0; off < n * token_bytes; off += 64) __builtin_prefetch(first + off);
@@ -55,10 +62,8 @@ static inline void prefetch_tokens(const Shape *s, const int64_t *blocks, int64_
  * out (a whole tile at once is ~200 lines, far more than a core's miss buffers hold: most were dropped). */
 static inline void prefetch_tokens_part(const Shape *s, const int64_t *blocks, int64_t pos, int64_t end, int part,
                                         int parts) {
-    const int64_t slot = blocks[pos / s->block_size] * s->block_size + pos % s->block_size;
-    int64_t n = s->block_size - pos % s->block_size;
-    if (n > TILE) n = TILE;
-    if (n > end - pos) n = end - pos;
+    int64_t slot;
+    const int n = next_tile(s, blocks, pos, end, &slot);
     const size_t token_bytes = 2 * (size_t)s->num_kv_heads * kv_row_bytes(s->kv_format, s->head_dim);
     const size_t lines = (n * token_bytes + 63) / 64, first_line = lines * part / parts,
                  last_line = lines * (part + 1) / parts;
@@ -89,12 +94,9 @@ static void attend_range(const Shape *s, const float *q, const int64_t *blocks, 
         running_sum[h] = 0.0f;
     }
     for (int64_t pos = start; pos < end;) {
-        const int64_t block = blocks[pos / s->block_size];
-        const int offset = (int)(pos % s->block_size);
-        int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
-        if (n > TILE) n = TILE;
+        int64_t first_slot;
+        const int n = next_tile(s, blocks, pos, end, &first_slot);
         const int padded = (n + 7) & ~7;
-        const int64_t first_slot = block * s->block_size + offset;
         if (pos + n + PF < end) prefetch_tokens(s, blocks, pos + n + PF, end);
         for (int t = 0; t < n; t++) {
             load_kv_rows(s->kv, s->kv_format, first_slot + t, 0, 0, s->num_kv_heads, s->num_kv_heads, d,
@@ -291,12 +293,10 @@ static void attend_range_quant(const Shape *s, const float *q, const int64_t *bl
         sum_out[h] = 0.0f;
     }
     for (int64_t pos = start; pos < end;) {
-        const int64_t block = blocks[pos / s->block_size];
-        const int offset = (int)(pos % s->block_size);
-        int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
-        if (n > TILE) n = TILE;
+        int64_t first_slot;
+        const int n = next_tile(s, blocks, pos, end, &first_slot);
         if (pos + n + PF < end) prefetch_tokens(s, blocks, pos + n + PF, end);
-        const uint8_t *tile = (const uint8_t *)s->kv + (block * s->block_size + offset) * token_bytes;
+        const uint8_t *tile = (const uint8_t *)s->kv + first_slot * token_bytes;
         tile_scales(tile, token_bytes, row, s->num_kv_heads, d, n, unit, scales);
         for (int g = 0; g < s->num_kv_heads; g++) {
             const uint8_t *k = tile + g * row, *v = tile + (s->num_kv_heads + g) * row;
@@ -449,12 +449,10 @@ static inline __attribute__((always_inline)) void attend_range_bf16_d(const Shap
         sum_out[h] = 0.0f;
     }
     for (int64_t pos = start; pos < end;) {
-        const int64_t block = blocks[pos / s->block_size];
-        const int offset = (int)(pos % s->block_size);
-        int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
-        if (n > TILE) n = TILE;
+        int64_t first_slot;
+        const int n = next_tile(s, blocks, pos, end, &first_slot);
         const int64_t ahead = pos + n + PF_BF16;
-        const uint16_t *tile = (const uint16_t *)s->kv + (block * s->block_size + offset) * token;
+        const uint16_t *tile = (const uint16_t *)s->kv + first_slot * token;
         const __mmask16 valid = (__mmask16)((1u << n) - 1u);
         for (int g = 0; g < s->num_kv_heads; g++) {
             for (int h = g * g_size; h < (g + 1) * g_size; h++) {
