@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args()
     llm = LLM(dtype="bfloat16")
+    llm.engine.core.prefault_kv_pools()  # steady state: no first-touch faults in the steps measured
     core = llm.engine.core
     model = core.runner.model
     loop = model.layer_loop

@@ -34,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     llm = LLM(dtype=args.dtype, num_threads=args.threads)
+    llm.engine.core.prefault_kv_pools()  # steady state: no first-touch faults in the steps measured
     vocab = llm.engine.model_config.vocab_size
     prompts = [{"prompt_token_ids": p}
                for p in make_prompts(args.seed, "throughput", args.prompts, args.prompt_len, vocab)]

@@ -47,6 +47,7 @@ def worker_offline(args: argparse.Namespace) -> OfflineRun:
         t = time.perf_counter()
         llm = LLM(args.model_dir, num_threads=args.threads, **kwargs)
         load_s = time.perf_counter() - t
+        llm.engine.core.prefault_kv_pools()  # as the served worker it is compared with does
         llm.generate([r.prompt for r in warm], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         t = time.perf_counter()
         outs = llm.generate(prompts, params)
