@@ -327,7 +327,7 @@ static inline int quant_path(const Shape *s) {
  * four-level add tree, no per-token horizontal sum), and each V row is widened once in registers and
  * FMA'd into the G heads' 16-lane accumulators. The scale multiplies the scores (not q), so q stays exact. */
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
+#include "bf16x16.h"
 
 #define PF_BF16 16
 #define BH_HEADS 4    /* query heads whose PV accumulators stay in registers together */
@@ -349,24 +349,6 @@ static inline __m512 sum_lanes16(__m512 a[TILE]) {
     for (int i = 0; i < 2; i++)
         d[i] = _mm512_add_ps(_mm512_unpacklo_ps(c[2 * i], c[2 * i + 1]), _mm512_unpackhi_ps(c[2 * i], c[2 * i + 1]));
     return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x44), _mm512_shuffle_ps(d[0], d[1], 0xEE));
-}
-
-/* e^x for 16 lanes (x <= 0 here: a score minus the running max): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2,
- * p a degree-6 Taylor polynomial (relative error ~2e-7, as glibc's vector expf); below -87 it is 0. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  /* ln2 in two parts: r exact-ish */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* The tile's 16 scores of one query head (lane t: q . k_t; rows `stride` elements apart, zero past n): every
@@ -494,16 +476,6 @@ static void attend_range_bf16(const Shape *s, const float *q, const int64_t *blo
     else attend_range_bf16_d(s, q, blocks, start, end, acc_out, max_out, sum_out, s->head_dim);
 }
 
-/* Whether q's values are all bf16 (so bf16 pairs multiply them exactly). */
-static int q_is_bf16(const float *q, int64_t n) {
-    uint32_t low = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, q + i, sizeof bits);
-        low |= bits & 0xFFFFu;
-    }
-    return low == 0;
-}
 #endif
 
 static void attend(const Shape *s, const float *q, const int64_t *blocks, int64_t start, int64_t end,

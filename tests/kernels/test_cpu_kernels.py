@@ -139,7 +139,7 @@ def test_paged_decode_unsupported_shapes_fall_back():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"),
-                         [(9, 3, 64, 16), (4, 4, 32, 4), (16, 1, 8, 8)])
+                         [(9, 3, 64, 16), (4, 4, 32, 4), (16, 1, 8, 8), (16, 2, 128, 8), (40, 1, 96, 16)])
 @pytest.mark.parametrize(("start", "tokens"), [(0, 1), (0, 37), (13, 1), (13, 50), (64, 16)])
 def test_paged_prefill_matches_fp32_reference(dtype, heads, kv_heads, head_dim, block_size, start, tokens):
     """A chunk of `tokens` queries at positions [start, start + tokens), causal over everything
