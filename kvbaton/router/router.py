@@ -47,7 +47,7 @@ from kvbaton.router.errors import EngineDeadError, RequestFailedError, RequestTi
 from kvbaton.router.flight import Flight, Phase
 from kvbaton.router.policies import make_policy
 from kvbaton.router.streams import stream_outputs
-from kvbaton.router.worker_pool import StatsListener, WorkerHandle, WorkerPool
+from kvbaton.router.worker_pool import WorkerHandle, WorkerPool
 from kvbaton.sched.info import EngineInfo, EngineStats, validate_request
 from kvbaton.sched.outputs import EngineCoreOutput, FinishReason, RemoteDecode
 from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
@@ -161,9 +161,6 @@ class Router:
     @property
     def num_in_flight(self) -> int:
         return len(self.flights)
-
-    def add_stats_listener(self, callback: StatsListener) -> None:
-        self.pool.add_stats_listener(callback)
 
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         validate_request(self.info, token_ids, params, priority)

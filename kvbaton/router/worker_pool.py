@@ -13,7 +13,6 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -45,7 +44,6 @@ from kvbaton.sched.info import EngineInfo, EngineStats
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec, curve_client, curve_keys, curve_server
 
 logger = logging.getLogger(__name__)
-StatsListener = Callable[[EngineStats], None]
 
 
 @dataclass(frozen=True)
@@ -147,7 +145,8 @@ class WorkerPool:
         self.listener: PoolListener | None = None
         self.workers: dict[str, WorkerHandle] = {}
         self.info: EngineInfo | None = None
-        self.stats = EngineStats()
+        self._stats = EngineStats()
+        self._stats_stale = False  # a worker's load changed since `stats` was last summed
         self.address = ""
         # NOTE: one session per pool: workers get it in their spec and take commands only from it; each
         # worker's session is learnt from its hello, which the codec admits only for a session never seen.
@@ -155,7 +154,6 @@ class WorkerPool:
         self._ctx = zmq.asyncio.Context()
         self._next_index = dict.fromkeys(WorkerRole, 0)
         self._ep_groups: dict[str, str] = {}  # worker name -> its expert-parallel group
-        self._stats_listeners: list[StatsListener] = []
         self._hello = asyncio.Event()
         self._launched_at: dict[str, float] = {}  # worker name -> when it was launched (monotonic), until its hello
         self._integrity: dict[str, asyncio.Future] = {}
@@ -309,8 +307,17 @@ class WorkerPool:
                  if w.alive and w.load.stats.expert_load is not None}
         return expert_view({n: load for n, load in loads.items() if load is not None}, self._ep_groups)
 
-    def add_stats_listener(self, callback: StatsListener) -> None:
-        self._stats_listeners.append(callback)
+    @property
+    def stats(self) -> EngineStats:
+        """The pool's load and cache counters, summed over its workers when asked for (`/stats`, a `/metrics`
+        scrape), not on each of their messages: a decode step's outputs carry its worker's load."""
+        if self._stats_stale:
+            self._stats_stale = False
+            loads = [w.load.stats for w in self.workers.values() if w.alive and w.can_decode]
+            if loads:  # none: the last figures stay (no worker can take requests now)
+                # NOTE: load from the workers that take requests; cache counters from every worker (prefill ones too)
+                self._stats = EngineStats.total(loads, [w.load.stats for w in self.workers.values() if w.alive])
+        return self._stats
 
     async def check_integrity(self, timeout_s: float = 10.0) -> dict[str, IntegrityReport]:
         """Every live worker's KV integrity report (for tests and operators)."""
@@ -357,7 +364,7 @@ class WorkerPool:
         worker.last_seen = time.monotonic()
         if isinstance(msg, (Heartbeat, WorkerOutputs)) and msg.load.seq >= worker.load.seq:
             worker.load = msg.load
-            self._publish_stats()
+            self._stats_stale = True
         if isinstance(msg, Heartbeat):
             return
         if isinstance(msg, IntegrityReport):
@@ -389,7 +396,7 @@ class WorkerPool:
         after = "" if ready_after is None else f" {ready_after:.1f} s after its launch"
         start = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in msg.startup.items())
         logger.info("%s ready%s (pid %d, %s; its start in s: %s)", msg.name, after, msg.pid, msg.address, start)
-        self._publish_stats()
+        self._stats_stale = True
         self._hello.set()
 
     async def _retire(self, worker: WorkerHandle) -> None:
@@ -406,16 +413,7 @@ class WorkerPool:
     def _forget(self, worker: WorkerHandle) -> None:
         worker.socket.close(linger=0)
         del self.workers[worker.name]
-        self._publish_stats()
-
-    def _publish_stats(self) -> None:
-        loads = [w.load.stats for w in self.workers.values() if w.alive and w.can_decode]
-        if not loads:
-            return
-        # NOTE: load from the workers that take requests; cache counters from every worker (prefill ones too)
-        self.stats = EngineStats.total(loads, [w.load.stats for w in self.workers.values() if w.alive])
-        for callback in self._stats_listeners:
-            callback(self.stats)
+        self._stats_stale = True
 
     # ---- failure detection -----------------------------------------------------------------
 

@@ -76,7 +76,6 @@ class OpenAIServer:
         self.extra_eos = [t for t in settings.generation_defaults.eos_token_ids
                           if t not in client.info.eos_token_ids and 0 <= t < client.info.vocab_size]
         self.chat_template = inspect_chat_template(client.tokenizer.hf.chat_template)
-        client.add_stats_listener(self.metrics.observe_stats)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_model_name:
@@ -300,6 +299,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(raw: Request) -> Response:
+        server.metrics.observe_stats(client.stats)  # on scrape: the pool sums its workers' loads when asked
         body = generate_latest(server.metrics.registry)
         if admin.refusal(raw.headers) is None:  # the per-expert series: for those who may read GET /experts
             server.metrics.observe_experts(client.expert_view())  # on scrape: a MoE pool's load is layers x experts

@@ -10,7 +10,7 @@ module takes the part it uses. The server imports these protocols, never the rou
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 from kvbaton.kv.store.session import StoreTarget
@@ -59,8 +59,6 @@ class RequestClient(Protocol):
                  priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
-
-    def add_stats_listener(self, callback: Callable[[EngineStats], None]) -> None: ...
 
 
 class PoolClient(Protocol):
