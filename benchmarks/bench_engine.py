@@ -48,6 +48,7 @@ from engine_bench.http_peers import run_llamacpp, run_vllm
 from engine_bench.inproc import WORKERS
 from engine_bench.measure import FULL, QUICK
 from engine_bench.report import markdown
+from engine_bench.rounds import best_bandwidth, best_of_rounds
 
 PEERS = ("hf", "vllm", "llamacpp")
 
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compute-path", default="auto", help="kvbaton's --compute-path (default: chosen by the CPU)")
     ap.add_argument("--deterministic", default="on", choices=["on", "off"],
                     help="also measure kvbaton with --deterministic (its cost against the default row)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every engine this many times, interleaved (round by round, bandwidth measured at each "
+                         "round's start), and report each engine's best figures against the highest bandwidth")
     ap.add_argument("--seed", type=int, default=None, help="prompt seed (default: fresh random, printed)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", default=None, help="default: kvbaton's pulled default model")
@@ -184,15 +188,23 @@ def main(argv: list[str] | None = None) -> int:
                "dtypes": {}, "notes": []}
     args.monitor = LoadMonitor()
     args.monitor.start()
-    log("measuring memory bandwidth")
-    results["bandwidth"] = bw = run_in_worker("bandwidth", args)
-    log(f"bandwidth: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in bw.items()})}")
-    read_bw = bw.get("read_gb_s") or float("nan")
     s = args.sizes
+    rounds: list[dict] = []
+    for k in range(args.rounds):
+        log(f"round {k + 1} of {args.rounds}: measuring memory bandwidth")
+        bw = run_in_worker("bandwidth", args)
+        log(f"bandwidth: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in bw.items()})}")
+        read_bw = bw.get("read_gb_s") or float("nan")
+        rounds.append({"bandwidth": bw, "dtypes": {dtype: run_dtype(args, dtype, facts, read_bw, peers,
+                                                                     results["notes"]) for dtype in dtypes}})
+    results["bandwidth"] = bw = best_bandwidth([r["bandwidth"] for r in rounds])
+    read_bw = bw.get("read_gb_s") or float("nan")
     results["rooflines"] = {d: to_json(roofline(facts, d, s.prompt_len, s.out_len, read_bw))
                             for d in ("bfloat16", "float32")}
     for dtype in dtypes:
-        results["dtypes"][dtype] = run_dtype(args, dtype, facts, read_bw, peers, results["notes"])
+        results["dtypes"][dtype] = best_of_rounds([r["dtypes"][dtype] for r in rounds], results["rooflines"][dtype])
+    if args.rounds > 1:
+        results["rounds"] = rounds
 
     results["notes"] += args.busy_notes
     results["wall_s"] = time.perf_counter() - t_start

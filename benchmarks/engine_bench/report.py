@@ -99,6 +99,15 @@ def deterministic_cost(kv: dict | None, det: dict | None) -> str:
     return " / ".join("—" if p is None else f"{p * 100:+.0f}%" for p in parts)
 
 
+def _rounds(results: dict) -> str:
+    n = len(results.get("rounds") or ()) or 1
+    if n == 1:
+        return ""
+    return (f", in each of {n} interleaved rounds (every engine once per round, the bandwidth measured at each "
+            f"round's start; each figure below is an engine's best over the rounds, the roofline from the highest "
+            f"bandwidth: read {' / '.join(fmt(r['bandwidth'].get('read_gb_s')) for r in results['rounds'])} GB/s)")
+
+
 def markdown(results: dict) -> str:
     s = results["sizes"]
     bw = results["bandwidth"]
@@ -115,8 +124,8 @@ def markdown(results: dict) -> str:
         f"kvbaton commit {env['kvbaton_commit']}; torch {env['torch']}, transformers {env['transformers']}",
         "",
         f"Workloads: latency = one request, {s['prompt_len']}-token random prompt, {s['out_len']} output tokens "
-        f"(ignore_eos, greedy), best of {s['latency_repeats']}; prefill tok/s = prompt_len / TTFT; decode "
-        f"ms/tok = (last − first token time) / (n − 1). Throughput = {s['tp_prompts']} prompts × "
+        f"(ignore_eos, greedy), best of {s['latency_repeats']}{_rounds(results)}; prefill tok/s = prompt_len / TTFT; "
+        f"decode ms/tok = (last − first token time) / (n − 1). Throughput = {s['tp_prompts']} prompts × "
         f"{s['prompt_len']} tokens, {s['out_len']} output tokens each, all submitted at once; output tok/s.",
         "",
         f"Memory bandwidth ({bw.get('threads')} threads, {bw.get('tensor_mb')} MB tensors): read (sum) "
