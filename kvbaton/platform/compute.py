@@ -11,10 +11,12 @@ Why these rows (2-core machines, SmolLM2-135M, benchmarks/results/platform.md):
   (1.5-1.7x oneDNN's on decode batches, as fast at 512, and batch-invariant), more rows oneDNN;
   SDPA's flash kernel takes prefill attention (it beats kvbaton's AVX2-tuned C there), and the
   fused residual-add + RMSNorm kernel replaces torch's bf16 rms_norm (~100 us a call).
-- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): the dot kernel up to 4 rows, oneDNN
-  beyond; norms as amx; the C kernels for prefill attention too: without AMX, SDPA's flash kernel takes
-  6x the time of paged_prefill.c's vdpbf16ps tiles on a causal 512-token prompt (3.3 vs 0.55 ms a
-  layer of SmolLM2 on Zen 4, 2 cores; 32 vs 7.8 ms at 2048 tokens).
+- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): the dot kernel up to 16 rows, oneDNN
+  beyond (Zen 4, 2 cores: a decode step's linears take 7.5 ms at 8 rows with it, 11.8 with oneDNN; 13.0
+  vs 13.9 at 16; and up to 16 rows the C layer loop runs the step: 12.6 vs 19.4 ms a step at 8 rows);
+  norms as amx; the C kernels for prefill attention too: without AMX, SDPA's flash kernel takes 6x the
+  time of paged_prefill.c's vdpbf16ps tiles on a causal 512-token prompt (3.3 vs 0.55 ms a layer of
+  SmolLM2 on Zen 4, 2 cores; 32 vs 7.8 ms at 2048 tokens).
 - avx2 (AVX2 without native bf16): bf16 GEMMs are emulated, so kvbaton's C kernels take every
   linear: a streaming kernel for a few rows, a packed fp32-accumulating GEMM (gate/up fused with
   SiLU) for many, and a fused residual-add + RMSNorm.
@@ -53,8 +55,9 @@ class ComputePlan:
     attention: AttentionCode
     deterministic: bool
     reason: str  # why this row
-    # where few_rows_linear stops: linear_bf16.c's MAX_ROWS (avx2); the dot kernel ties oneDNN at ~8 rows
-    # of decode shapes (avx512-bf16: 4) and the AMX GEMM beats it from 2 (amx: 1); Xeon, 2 cores
+    # where few_rows_linear stops: linear_bf16.c's MAX_ROWS (avx2); the dot kernel ties oneDNN at ~8 rows of
+    # decode shapes on a 2-core Xeon and at ~16-20 on a 2-core Zen 4 (avx512-bf16: 16); the AMX GEMM beats it
+    # from 2 (amx: 1)
     few_rows: int = 8
     # amx: the tile GEMM takes up to this many rows (None: every count), oneDNN beyond: at 2048 rows its
     # blocking beats ours (3.2 vs 5.1 ms on gate/up), up to 512 ours is as fast or faster (Xeon, 2 cores)
@@ -131,8 +134,9 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
         "torch": ("torch", "torch" if native_bf16 else "torch-fp32", "torch", "torch"),
     }
     few, many, norm, attention = rows[path]
-    # the dot kernel's reach: it beats oneDNN up to ~4 rows, the AMX GEMM from 2 rows (bench_linear_kernels.py)
-    few_rows = {"amx": 1, "avx512-bf16": 4}.get(path, 8)
+    # the dot kernel's reach: the AMX GEMM beats it from 2 rows (bench_linear_kernels.py), oneDNN from ~16-20
+    # on Zen 4 (avx512-bf16)
+    few_rows = {"amx": 1, "avx512-bf16": 16}.get(path, 8)
     return ComputePlan(path, dtype, few, many, norm, attention, False, reason, few_rows,
                        tile_rows=512 if many == "amx" else None)
 
