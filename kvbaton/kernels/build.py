@@ -24,7 +24,7 @@ from kvbaton.paths import kernels_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c",
-           "linear_dot.c", "gemm_amx.c", "moe_experts.c", "silu_mul_bf16.c", "decode_layers.c")
+           "linear_dot.c", "gemm_amx.c", "moe_experts.c", "silu_mul_bf16.c", "rope_bf16.c", "decode_layers.c")
 HEADERS = ("vec8.h", "bf16x16.h")
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C signatures: name -> (return type, argument types); the sources document each argument.
@@ -41,6 +41,7 @@ SIGNATURES = {
     "kvbaton_moe_experts": (_i, [_p, _p, _p, _p, _p, _p, _i64, _i, _i64, _i64, _i64, _i, _i, _i]),
     "kvbaton_moe_route": (_i, [_p, _p, _i64, _i64, _i64, _i, _i, _i, _i, _p, _p]),
     "kvbaton_silu_mul_bf16": (None, [_p, _p, _i64, _i64, _i]),
+    "kvbaton_rope_bf16": (None, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i]),
     "kvbaton_decode_layers": (_i, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i64]),
     "kvbaton_decode_layers_take": (_i, [_p, _p, _i64]),
     "kvbaton_decode_layers_workspace": (_i64, [_p, _i64]),

@@ -11,8 +11,7 @@
  * Per layer (Llama family, dense MLP), T rows:
  *   h, residual = add_rms_norm(x, residual)          norm_bf16.c
  *   qkv = h Wqkv^T (+ b)                              the linear's kernel for T rows (below)
- *   rotate q and k heads (RoPE, rotate-half)          here: bf16(bf16(x * cos) + swapped * signed_sin),
- *                                                     as PyTorch's mul_ + addcmul_ round it
+ *   rotate q and k heads (RoPE, rotate-half)          rope_bf16.c
  *   K/V rows -> the pool at their slots               here
  *   attention over each row's context                 paged_attention.c (fp32 q, fp32 out)
  *   x = attn Wo^T; h, residual = add_rms_norm(x, residual)
@@ -40,6 +39,8 @@ int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, co
 void kvbaton_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
                                const uint16_t *weight, int64_t rows, int64_t dim, float eps, int num_threads);
 void kvbaton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads);
+void kvbaton_rope_bf16(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
+                       const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim, int num_threads);
 int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const float *q, float *out,
                                    const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                                    int64_t max_blocks, int block_size, int num_kv_heads, int group, int head_dim,
@@ -165,29 +166,6 @@ static int linear(const StackSpec *s, const LinearOption *o, const LinearSpec *l
     return -1;
 }
 
-/* Rotate the first `heads` heads of each row of qkv in place (rotate-half layout): for i < D/2,
- * x[i] <- x[i] cos[i] + x[i + D/2] sin[i], and x[i + D/2] <- x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2], sin
- * signed. Rounded as PyTorch's bf16 `x.mul_(cos).addcmul_(swapped, sin)`: the product to bf16, then the sum in
- * fp32 (the bf16 x bf16 product is exact there, fused or not) to bf16. */
-static void rope(const StackSpec *s, uint16_t *qkv, int64_t row_width, const int64_t *positions, int64_t rows,
-                 int64_t heads) {
-    const int64_t d = s->head_dim, half = d / 2;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *cos = s->cos + positions[r] * d, *sin = s->sin + positions[r] * d;
-        for (int64_t h = 0; h < heads; h++) {
-            uint16_t *x = qkv + r * row_width + h * d;
-            float orig[512];  /* head_dim <= 256 (checked by the caller) */
-            widen(x, orig, d);
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) {
-                const float swapped = orig[i < half ? i + half : i - half];
-                const float scaled = round_bf16(orig[i] * bf16_to_f32(cos[i]));
-                x[i] = f32_to_bf16(scaled + swapped * bf16_to_f32(sin[i]));
-            }
-        }
-    }
-}
-
 /* Each row's K and V heads (adjacent in qkv, as the pool stores a slot: [2, Hkv, D]) into its slot. */
 static void write_kv(const StackSpec *s, void *kv_cache, const uint16_t *qkv, int64_t row_width, int64_t q_width,
                      const int64_t *slots, int64_t rows) {
@@ -214,7 +192,8 @@ static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t
     }
     int rc = linear(s, pick(&l->qkv, rows), &l->qkv, w->h, w->qkv, rows, w);
     if (rc) return rc;
-    rope(s, w->qkv, row_width, positions, rows, s->num_heads + s->num_kv_heads);
+    kvbaton_rope_bf16(w->qkv, row_width, s->cos, s->sin, positions, rows, s->num_heads + s->num_kv_heads,
+                      s->head_dim, s->num_threads);
     write_kv(s, l->kv_cache, w->qkv, row_width, q_width, slots, rows);
     for (int64_t r = 0; r < rows; r++) widen(w->qkv + r * row_width, w->q32 + r * q_width, q_width);
     rc = kvbaton_paged_decode_attention(l->kv_cache, s->kv_format, w->q32, w->attn32, block_table, context_lens, rows,

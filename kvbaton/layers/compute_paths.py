@@ -26,11 +26,13 @@ from kvbaton.kernels.moe import (
     moe_route_kernel,
 )
 from kvbaton.kernels.pack_cache import PackCache
+from kvbaton.kernels.rope import rope_kernel
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.mlp import MLP
 from kvbaton.layers.moe.experts import GroupedExperts
 from kvbaton.layers.moe.gate import TopKGate
 from kvbaton.layers.norm import RMSNorm
+from kvbaton.layers.rope import RotaryEmbedding
 from kvbaton.platform.compute import ComputePlan
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
     norm_kernel = add_rms_norm_kernel() if plan.norm == "c" else None
     # the C activation goes with the C norms: the rows whose decode steps the C layer loop runs
     silu_mul = silu_mul_kernel() if plan.norm == "c" else None
+    rope = rope_kernel() if plan.norm == "c" else None  # and the C RoPE, which that loop uses too
     gated = set()  # gate/up projections computed by their MLP's fused kernel: no plain packed copy
     moe_kernel = _moe_kernel(plan)
     # the gate: up to GATE_MAX_ROWS tokens (PyTorch beyond), every count in deterministic mode (batch-invariant)
@@ -78,6 +81,8 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
             if module.fused_gate_up is not None:
                 gated.add(proj)
             module.silu_mul = silu_mul if proj.weight.dtype == torch.bfloat16 else None
+        elif isinstance(module, RotaryEmbedding):
+            module.kernel = rope
         elif isinstance(module, RMSNorm):
             suits = norm_kernel is not None and norm_kernel.supports_weight(module.weight)
             module.kernel = norm_kernel if suits else None

@@ -8,6 +8,7 @@ import math
 import torch
 
 from kvbaton.config import RopeScaling
+from kvbaton.kernels.rope import Rope
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -68,6 +69,8 @@ def _yarn_inverse_frequencies(dim: int, base: float, pos_freqs: torch.Tensor, sc
 class RotaryEmbedding(torch.nn.Module):
     """`cos_sin(positions)` once per step; `apply_` rotates any number of heads in place."""
 
+    kernel: Rope | None = None  # the C rotation (set by the compute plan), else PyTorch's
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
@@ -97,9 +100,11 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D] each
 
-    @staticmethod
-    def apply_(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Rotate x: [T, heads, D] in place."""
+    def apply_(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Rotate x: [T, heads, D] in place (the C kernel, where the compute plan set one: the same bits)."""
         cos, sin = cos_sin
+        if self.kernel is not None and x.numel() and self.kernel.handles(x, cos, sin):
+            self.kernel(x, cos, sin)
+            return
         swapped = x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)  # [x2, x1]
         x.mul_(cos).addcmul_(swapped, sin)
