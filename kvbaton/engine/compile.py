@@ -23,7 +23,7 @@ def compile_model(runner: ModelRunner) -> None:
 def _compile_mlp(mlp: MLP) -> None:
     # NOTE: a compiled graph cannot call the ctypes kernels; inside it, inductor's own code runs.
     for linear in (mlp.gate_up_proj, mlp.down_proj):
-        linear.rows_kernel = linear.packed = None
+        linear.rows_kernel = linear.packed = linear.onednn = None
     mlp.fused_gate_up = None
     # NOTE: only this instance's forward is replaced (Module.compile would wrap __call__, hook dispatch and all);
     # mypy rejects assigning to a method, hence the ignore.

@@ -25,6 +25,7 @@ from kvbaton.kernels.moe import (
     moe_experts_kernel,
     moe_route_kernel,
 )
+from kvbaton.kernels.onednn import onednn_linear
 from kvbaton.kernels.pack_cache import PackCache
 from kvbaton.kernels.rope import rope_kernel
 from kvbaton.layers.linear import Linear
@@ -42,7 +43,8 @@ UPCAST_MIN_ROWS = 16
 # bf16 models up to this size also keep an fp32 copy of their weights for many-row steps.
 FP32_WEIGHT_COPY_MAX_BYTES = 2**30
 # The AMX GEMM keeps its own tile-packed copy of each weight (the original stays for the dot kernel and the
-# embedding): up to this size; a bigger model computes many rows in oneDNN (deterministic: the dot kernel).
+# embedding), as does the onednn-packed path its reordered one: up to this size; a bigger model computes many rows
+# in oneDNN from the plain weights (deterministic: the dot kernel).
 AMX_WEIGHT_COPY_MAX_BYTES = 4 * 2**30
 # The routed experts of bf16 MoE models: kvbaton's C kernel (moe_experts.c), in the instruction set of the row,
 # over the stacked expert weights packed in place (no extra copy), and their softmax gate (logits, softmax, top-k)
@@ -147,6 +149,8 @@ def _apply_to_linear(linear: Linear, plan: ComputePlan, rows_kernel: SmallBatchL
     packed_dtype = torch.float32 if keep_fp32 else linear.weight.dtype
     pack = plan.many_rows_linear == "packed" and packed
     linear.packed = pack_linear(linear.weight, linear.bias, packed_dtype, packer=packer(".packed")) if pack else None
+    reorder = plan.many_rows_linear == "onednn-packed" and tiles_fit
+    linear.onednn = onednn_linear(linear.weight, linear.bias) if reorder else None
     upcast = plan.many_rows_linear == "torch-fp32" and linear.weight.dtype != torch.float32
     linear.upcast_min_rows = UPCAST_MIN_ROWS if upcast else None
     linear.fp32_weight = linear.weight.detach().float() if upcast and keep_fp32 else None

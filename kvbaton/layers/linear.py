@@ -6,6 +6,8 @@
   (more than `rows_kernel` takes; every count in deterministic mode);
 - `packed`: an fp32-accumulating GEMM over weights packed once at load time (many rows, AVX2 CPUs,
   where bf16 GEMMs are emulated and lose to fp32 ones);
+- `onednn`: oneDNN's GEMM over a copy of the weights reordered once into its blocked layout (many rows,
+  AVX512-BF16 CPUs without AMX: `F.linear` would repack the weight on every call);
 - `upcast_min_rows`: without kernels on such CPUs, that many rows or more compute in fp32 in PyTorch
   (from a kept fp32 copy of the weights, or converted on the fly);
 - otherwise PyTorch in the weights' dtype (oneDNN's native bf16 GEMMs, MKL for fp32).
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvbaton.kernels import AMXLinear, DotLinear, PackedLinear, SmallBatchLinear
+from kvbaton.kernels.onednn import OneDNNLinear
 
 
 class Linear(nn.Linear):
@@ -26,6 +29,7 @@ class Linear(nn.Linear):
     fp32_weight: torch.Tensor | None = None  # kept fp32 copy for the upcast path (small models only)
     packed: PackedLinear | None = None  # the many-row C kernel with its packed weights
     tile_kernel: AMXLinear | None = None  # the AMX GEMM with its packed weights
+    onednn: OneDNNLinear | None = None  # oneDNN's GEMM with its reordered weights
 
     def takes_rows_kernel(self, x: torch.Tensor) -> bool:
         return self._rows_kernel_for(x) is not None
@@ -45,6 +49,8 @@ class Linear(nn.Linear):
             return tile_kernel(x)
         if self.packed is not None:
             return self.packed(x)
+        if self.onednn is not None:
+            return self.onednn(x)
         rows = self.upcast_min_rows
         if rows is not None and x.dtype != torch.float32 and x.numel() >= rows * x.shape[-1]:
             bias = None if self.bias is None else self.bias.float()

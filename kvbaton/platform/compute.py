@@ -11,12 +11,12 @@ Why these rows (2-core machines, SmolLM2-135M, benchmarks/results/platform.md):
   (1.5-1.7x oneDNN's on decode batches, as fast at 512, and batch-invariant), more rows oneDNN;
   SDPA's flash kernel takes prefill attention (it beats kvbaton's AVX2-tuned C there), and the
   fused residual-add + RMSNorm kernel replaces torch's bf16 rms_norm (~100 us a call).
-- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): the dot kernel up to 16 rows, oneDNN
-  beyond (Zen 4, 2 cores: a decode step's linears take 7.5 ms at 8 rows with it, 11.8 with oneDNN; 13.0
-  vs 13.9 at 16; and up to 16 rows the C layer loop runs the step: 12.6 vs 19.4 ms a step at 8 rows);
-  norms as amx; the C kernels for prefill attention too: without AMX, SDPA's flash kernel takes 6x the
-  time of paged_prefill.c's vdpbf16ps tiles on a causal 512-token prompt (3.3 vs 0.55 ms a layer of
-  SmolLM2 on Zen 4, 2 cores; 32 vs 7.8 ms at 2048 tokens).
+- avx512-bf16 (AVX512-BF16 without AMX: Zen 4/5, Cooper Lake): the dot kernel up to 16 rows, and the C
+  layer loop with it (Zen 4, 2 cores: a decode step of 8 rows 12.6 ms, 19.4 in the Python loop with
+  oneDNN); oneDNN beyond, over weights reordered once at load (`F.linear` repacks them on every call:
+  14-25% of a linear's time at 17-2048 rows); norms as amx; the C kernels for prefill attention too:
+  without AMX, SDPA's flash kernel takes 6x the time of paged_prefill.c's vdpbf16ps tiles on a causal
+  512-token prompt (3.3 vs 0.55 ms a layer of SmolLM2 on Zen 4, 2 cores; 32 vs 7.8 ms at 2048 tokens).
 - avx2 (AVX2 without native bf16): bf16 GEMMs are emulated, so kvbaton's C kernels take every
   linear: a streaming kernel for a few rows, a packed fp32-accumulating GEMM (gate/up fused with
   SiLU) for many, and a fused residual-add + RMSNorm.
@@ -38,7 +38,9 @@ COMPUTE_PATHS = ("auto", "amx", "avx512-bf16", "avx2", "onednn", "torch")
 # What computes a linear layer: kvbaton's C kernels (dot-avx512bf16 / dot-generic: linear_dot.c;
 # stream-avx2: linear_bf16.c; packed: gemm_packed.c; amx: gemm_amx.c) or PyTorch ("torch": oneDNN for bf16 on native
 # CPUs, MKL for fp32; "torch-fp32": upcast to fp32 first, for emulated bf16 without kernels).
-LinearCode = Literal["dot-avx512bf16", "dot-generic", "stream-avx2", "packed", "amx", "torch", "torch-fp32"]
+# onednn-packed: oneDNN over weights reordered once at load (kernels/onednn.py)
+LinearCode = Literal["dot-avx512bf16", "dot-generic", "stream-avx2", "packed", "amx", "onednn-packed", "torch",
+                     "torch-fp32"]
 NormCode = Literal["c", "torch"]
 # c: the C kernels for decode and prefill; c+sdpa: C decode, PyTorch's fused SDPA (flash) for prefill;
 # c-per-token: every token attends as a decode query over its unsplit context (batch-invariant)
@@ -127,7 +129,7 @@ def _row(path: str, dtype: str, reason: str, native_bf16: bool) -> ComputePlan:
         return ComputePlan(path, dtype, "torch", "torch", "torch", attention, False, reason)
     rows: dict[str, tuple[LinearCode, LinearCode, NormCode, AttentionCode]] = {
         "amx": ("dot-avx512bf16", "amx", "c", "c+sdpa"),
-        "avx512-bf16": ("dot-avx512bf16", "torch", "c", "c"),
+        "avx512-bf16": ("dot-avx512bf16", "onednn-packed", "c", "c"),
         "avx2": ("stream-avx2", "packed", "c", "c"),
         "onednn": ("torch", "torch", "torch", "c"),
         # NOTE: emulated bf16 GEMMs lose to fp32 ones from ~16 rows on (2-core AVX2 EPYC), so many rows upcast

@@ -40,7 +40,7 @@ def test_detect_cpu_agrees_with_proc_cpuinfo():
 @pytest.mark.parametrize("flags, path, few, many, norm, attention", [
     (EPYC_FLAGS, "avx2", "stream-avx2", "packed", "c", "c"),
     (XEON_FLAGS, "amx", "dot-avx512bf16", "amx", "c", "c+sdpa"),
-    (ZEN4_FLAGS, "avx512-bf16", "dot-avx512bf16", "torch", "c", "c"),
+    (ZEN4_FLAGS, "avx512-bf16", "dot-avx512bf16", "onednn-packed", "c", "c"),
     ("fp asimd", "onednn", "torch", "torch", "torch", "c"),  # no kvbaton linear kernels off x86 (arch below)
 ])
 def test_auto_row_per_machine_kind(flags, path, few, many, norm, attention):
