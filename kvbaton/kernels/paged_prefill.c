@@ -201,7 +201,7 @@ static inline __attribute__((always_inline)) void score_keys_bf16(const uint32_t
 }
 
 /* acc[r0 + r][c0 .. c0 + 16 nc) = acc * correction + sum over key pairs of pp[pair][r] . vp[pair][c], for nr rows
- * (1-6) and nc vectors of 16 head dims (1-4). */
+ * (1-6) and nc vectors of 16 head dims (2 or 4). */
 static inline __attribute__((always_inline)) void value_pairs_bf16(const uint32_t *pp, int ld, int r0, const int nr,
                                                                     const uint32_t *vp, int d, int c0, const int nc,
                                                                     const float *correction, float *acc) {
