@@ -20,11 +20,12 @@ import time
 
 import torch
 
-from common.machine import measure_bandwidth
+from common.machine import measure_bandwidth, model_facts, roofline
 from kvbaton.engine.llm import LLM
 from kvbaton.kernels.linear import DotLinear, SmallBatchLinear
 from kvbaton.layers.linear import Linear
 from kvbaton.models.decoder import DecoderStack
+from kvbaton.models.registry import pull_default_model
 from kvbaton.platform.cpu import detect_cpu
 from kvbaton.sched.sampling_params import SamplingParams
 
@@ -82,19 +83,18 @@ def main() -> None:
     model.layer_loop = loop
     stream = weight_stream_ms(model)
     bw = measure_bandwidth(1024, torch.get_num_threads())
-    cfg = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * (PROMPT + OUT / 2)
-    roofline = (weights + kv) / (bw.read_gb_s * 1e9) * 1e3
+    roof = roofline(model_facts(str(pull_default_model())), "bfloat16", PROMPT, OUT, bw.read_gb_s)
+    roof_ms = roof.roofline_ms_per_tok
+    kv = roof.kv_bytes_per_token * roof.mean_context
     print(f"CPU: {detect_cpu().summary()}; compute path: {core.compute_plan.summary()}")
-    print(f"read bandwidth {bw.read_gb_s:.1f} GB/s; weights {weights / 1e6:.0f} MB + KV {kv / 1e6:.1f} MB at "
-          f"the mean context -> roofline {roofline:.2f} ms/step")
+    print(f"read bandwidth {bw.read_gb_s:.1f} GB/s; weights {roof.weight_bytes / 1e6:.0f} MB + KV {kv / 1e6:.1f} MB "
+          f"at the mean context -> roofline {roof_ms:.2f} ms/step")
     print(f"weight stream alone (linears back to back): {stream:.2f} ms")
     print("| loop | forward ms (median of rounds) | rounds | outside the weight stream ms | % of roofline |")
     print("|---|---:|---|---:|---:|")
     for name, ms in medians.items():
         m = statistics.median(ms)
-        print(f"| {name} | {m:.2f} | {' '.join(f'{x:.2f}' for x in ms)} | {m - stream:.2f} | {roofline / m:.0%} |")
+        print(f"| {name} | {m:.2f} | {' '.join(f'{x:.2f}' for x in ms)} | {m - stream:.2f} | {roof_ms / m:.0%} |")
     c, py = statistics.median(medians["C loop"]), statistics.median(medians["Python loop"])
     print(f"C loop / Python loop forward: {py / c:.2f}x faster")
 

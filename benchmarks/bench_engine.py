@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     args.monitor.start()
     s = args.sizes
     rounds: list[dict] = []
-    for k in range(args.rounds):
-        log(f"round {k + 1} of {args.rounds}: measuring memory bandwidth")
+    for n in range(args.rounds):
+        log(f"round {n + 1} of {args.rounds}: measuring memory bandwidth")
         bw = run_in_worker("bandwidth", args)
         log(f"bandwidth: {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in bw.items()})}")
         read_bw = bw.get("read_gb_s") or float("nan")

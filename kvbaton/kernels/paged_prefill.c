@@ -28,6 +28,16 @@ typedef struct {
     float scale;
 } Shape;
 
+/* The key tile at context position pos: its length (up to max_keys, within one block and before end) and, in
+ * first_slot, the pool slot of its first key. */
+static inline int key_tile(const Shape *s, const int64_t *blocks, int64_t pos, int64_t end, int max_keys,
+                           int64_t *first_slot) {
+    const int offset = (int)(pos % s->block_size);
+    *first_slot = blocks[pos / s->block_size] * s->block_size + offset;
+    const int64_t n = end - pos < s->block_size - offset ? end - pos : s->block_size - offset;
+    return n > max_keys ? max_keys : (int)n;
+}
+
 /* Scores of 4 keys against nv * 8 query rows (qt: [d][ld], the queries transposed), written as
  * scores[key][row] (row stride ld): the queries' 8-row vectors are loaded once per dimension and
  * each key element is broadcast, so no horizontal sums are needed. nv is 1-3 after inlining. */
@@ -99,11 +109,8 @@ static void attend_tile(const Shape *s, const float *q, float *out, const int64_
 
     const int64_t end = pos0 + first + count;  /* keys the last token of the tile sees */
     for (int64_t pos = 0; pos < end;) {
-        const int64_t block = blocks[pos / s->block_size];
-        const int offset = (int)(pos % s->block_size);
-        int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
-        if (n > KEY_TILE) n = KEY_TILE;
-        const int64_t first_slot = block * s->block_size + offset;
+        int64_t first_slot;
+        const int n = key_tile(s, blocks, pos, end, KEY_TILE, &first_slot);
         for (int t = 0; t < n; t++) {
             load_kv_rows(s->kv, s->kv_format, first_slot + t, 0, g, 1, s->num_kv_heads, d, keys + t * d);
             load_kv_rows(s->kv, s->kv_format, first_slot + t, 1, g, 1, s->num_kv_heads, d, values + t * d);
@@ -273,11 +280,9 @@ static void attend_tile_bf16(const Shape *s, const float *q, float *out, const i
     const __m512 scale = _mm512_set1_ps(s->scale);
     const int64_t end = pos0 + first + count;
     for (int64_t pos = 0; pos < end;) {
-        const int64_t block = blocks[pos / s->block_size];
-        const int offset = (int)(pos % s->block_size);
-        int n = (int)((end - pos) < (s->block_size - offset) ? end - pos : s->block_size - offset);
-        if (n > B16_KEYS) n = B16_KEYS;
-        const uint16_t *k0 = pool + (block * s->block_size + offset) * token_elems + (int64_t)g * d;
+        int64_t first_slot;
+        const int n = key_tile(s, blocks, pos, end, B16_KEYS, &first_slot);
+        const uint16_t *k0 = pool + first_slot * token_elems + (int64_t)g * d;
         const uint16_t *keys[B16_KEYS], *values[B16_KEYS];
         for (int t = 0; t < B16_KEYS; t++) {
             keys[t] = t < n ? k0 + t * token_elems : zeros;

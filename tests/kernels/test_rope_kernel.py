@@ -9,8 +9,8 @@ import torch
 from kvbaton.kernels.rope import rope_kernel
 from kvbaton.layers.rope import RotaryEmbedding
 
+# NOTE: no skip: CI machines have gcc, so a kernel that fails to build must fail here.
 kernel = rope_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="the C kernels are not built here")
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 300])  # 300 x 12 heads: the threaded branch
