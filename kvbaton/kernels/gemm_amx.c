@@ -126,8 +126,9 @@ AMX static void work_item(const uint16_t *x, const uint16_t *packed, const float
     _tile_release();
 }
 
-int kvbaton_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, void *y, int out_mode, int64_t m,
-                     int64_t n, int64_t k, int num_threads) {
+/* On the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+int kvbaton_gemm_amx_team(const uint16_t *x, const uint16_t *packed, const float *bias, void *y, int out_mode,
+                          int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m < 1 || n < 1 || k < TILE_K || k % TILE_K) return -1;
     const int64_t blocks = (n + 15) / 16, row_blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
     /* Column blocks per work item: enough items for every thread to get ~4 when rows are few (the
@@ -137,7 +138,7 @@ int kvbaton_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bia
         per_item = (blocks + 4 * num_threads - 1) / (4 * num_threads);
     if (per_item < 1) per_item = 1;
     const int64_t items = (blocks + per_item - 1) / per_item;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+#pragma omp for collapse(2) schedule(static)
     for (int64_t it = 0; it < items; it++) {
         for (int64_t rb = 0; rb < row_blocks; rb++) {
             const int64_t b0 = it * per_item, b1 = b0 + per_item < blocks ? b0 + per_item : blocks;
@@ -145,4 +146,16 @@ int kvbaton_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bia
         }
     }
     return 0;
+}
+
+int kvbaton_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, void *y, int out_mode, int64_t m,
+                     int64_t n, int64_t k, int num_threads) {
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int mine = kvbaton_gemm_amx_team(x, packed, bias, y, out_mode, m, n, k, num_threads);
+#pragma omp master
+        rc = mine;
+    }
+    return rc;
 }

@@ -116,8 +116,9 @@ static void tile_any(const float *x, int64_t k, const void *panel, int rows, con
  * bias: [ceil(N/16) * 16] fp32 (zero-padded) or NULL. mode OUT_F32 / OUT_BF16: y = [M, N] fp32 / bf16;
  * OUT_SILU_MUL: each panel holds 8 gate columns then their 8 up columns (N a multiple of 16) and
  * y = silu(gate) * up, [M, N / 2] bf16. Returns 0, or -1 for arguments it does not handle. */
-int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, const float *bias, void *y,
-                        int mode, int64_t m, int64_t n, int64_t k, int num_threads) {
+/* On the calling team (orphaned `omp for`s, as kvbaton_linear_dot_team: see linear_dot.c). */
+int kvbaton_gemm_packed_team(const float *x, const void *packed, int weight_bytes, const float *bias, void *y,
+                             int mode, int64_t m, int64_t n, int64_t k) {
     if (m < 1 || n < 1 || k < 1 || (weight_bytes != 2 && weight_bytes != 4) || mode < OUT_F32 || mode > OUT_SILU_MUL
         || (mode == OUT_SILU_MUL && n % NR))
         return -1;
@@ -128,7 +129,6 @@ int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, co
     const size_t out_bytes = mode == OUT_F32 ? 4 : 2;
     /* a panel's outputs start at column p * 16 of y (p * 8 when each panel yields 8 gated values) */
     const int64_t ldy = mode == OUT_SILU_MUL ? n / 2 : n, panel_cols = mode == OUT_SILU_MUL ? NR / 2 : NR;
-#pragma omp parallel num_threads(num_threads)
     for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
         const int64_t m1 = m0 + block_rows < m ? m0 + block_rows : m;
 #pragma omp for schedule(static)
@@ -144,4 +144,16 @@ int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, co
         }
     }
     return 0;
+}
+
+int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, const float *bias, void *y,
+                        int mode, int64_t m, int64_t n, int64_t k, int num_threads) {
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int mine = kvbaton_gemm_packed_team(x, packed, weight_bytes, bias, y, mode, m, n, k);
+#pragma omp master
+        rc = mine;
+    }
+    return rc;
 }

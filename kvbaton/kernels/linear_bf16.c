@@ -45,10 +45,11 @@ static inline void dot_rows(const float *x, const uint16_t *w, int64_t k, const 
         dot_rows(x, w + j * k, k, M, y + j, n); \
         break;
 
-int kvbaton_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
-                        int64_t k, int num_threads) {
+/* On the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+int kvbaton_linear_bf16_team(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
+                             int64_t k) {
     if (m < 1 || m > MAX_ROWS || k % 8) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp for schedule(static)
     for (int64_t j = 0; j < n; j++) {
         switch (m) {
         case 1:
@@ -66,4 +67,16 @@ int kvbaton_linear_bf16(const float *x, const uint16_t *w, const float *bias, fl
             for (int64_t r = 0; r < m; r++) y[r * n + j] += bias[j];
     }
     return 0;
+}
+
+int kvbaton_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
+                        int64_t k, int num_threads) {
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int mine = kvbaton_linear_bf16_team(x, w, bias, y, m, n, k);
+#pragma omp master
+        rc = mine;
+    }
+    return rc;
 }

@@ -161,10 +161,15 @@ AVX512_BF16 static void panel_bf16(const uint16_t *x, const uint16_t *w, const f
     }
 }
 
-/* ---- entry point ------------------------------------------------------------------------------ */
+/* ---- entry points ----------------------------------------------------------------------------- */
 
-int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y, int out_mode,
-                       int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
+/* The linear on the calling team: every thread of an enclosing parallel region calls it with the same
+ * arguments and takes its share (an orphaned `omp for`, which ends in the team's barrier); called outside
+ * any region, the one caller does it all. The split depends on num_threads, never on the team, and no
+ * output's arithmetic depends on the split. The C layer loop runs a whole step in one region this way:
+ * no fork and join per linear, whose cost and restart of the weight stream were ~15% of a batch-1 step. */
+int kvbaton_linear_dot_team(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y,
+                            int out_mode, int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
     if (m < 1 || n < 1 || k < 1) return -1;
     if (isa == ISA_GENERIC && (k % 8 || (w_elem_bytes != 2 && w_elem_bytes != 4))) return -1;
     if (isa == ISA_AVX512_BF16 && w_elem_bytes != 2) return -1;
@@ -177,7 +182,7 @@ int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const flo
         cols = ((n + 4 * num_threads - 1) / (4 * num_threads) + COLS - 1) / COLS * COLS;
     const int64_t num_panels = (n + cols - 1) / cols, row_chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
     const int64_t y_row_bytes = n * (out_mode == OUT_BF16 ? 2 : 4);
-#pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+#pragma omp for collapse(2) schedule(static)
     for (int64_t p = 0; p < num_panels; p++) {
         for (int64_t rc = 0; rc < row_chunks; rc++) {
             const int64_t j0 = p * cols, j1 = j0 + cols < n ? j0 + cols : n;
@@ -192,4 +197,16 @@ int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const flo
         }
     }
     return 0;
+}
+
+int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y, int out_mode,
+                       int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int mine = kvbaton_linear_dot_team(x, w, w_elem_bytes, bias, y, out_mode, m, n, k, isa, num_threads);
+#pragma omp master
+        rc = mine;
+    }
+    return rc;
 }

@@ -13,10 +13,11 @@
 #include "vec8.h"
 
 /* x, delta (or NULL), weight: bf16; writes residual = x + delta (skipped when delta is NULL:
- * the residual is x itself) and out = RMSNorm(residual) * weight. Rows split across threads. */
-void kvbaton_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
-                               const uint16_t *weight, int64_t rows, int64_t dim, float eps, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 16)
+ * the residual is x itself) and out = RMSNorm(residual) * weight. Rows split across the calling team (an
+ * orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+void kvbaton_add_rms_norm_bf16_team(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
+                                    const uint16_t *weight, int64_t rows, int64_t dim, float eps) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *xr = x + r * dim;
         uint16_t *res = residual + r * dim, *o = out + r * dim;
@@ -39,4 +40,10 @@ void kvbaton_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_
         for (int64_t i = 0; i < dim; i++)
             o[i] = f32_to_bf16(round_bf16(bf16_to_f32(src[i]) * inv) * bf16_to_f32(weight[i]));
     }
+}
+
+void kvbaton_add_rms_norm_bf16(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
+                               const uint16_t *weight, int64_t rows, int64_t dim, float eps, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows > 16)
+    kvbaton_add_rms_norm_bf16_team(x, delta, residual, out, weight, rows, dim, eps);
 }

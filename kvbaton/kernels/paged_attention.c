@@ -491,39 +491,40 @@ static void attend(const Shape *s, const float *q, const int64_t *blocks, int64_
     else attend_range(s, q, blocks, start, end, acc_out, max_out, sum_out);
 }
 
-/* q: [B, H, D] fp32 (the G query heads of a KV head adjacent); out: [B, H, D] fp32;
- * block_tables: [B, max_blocks] int64; context_lens: [B] int64 (each >= 1); allow_split: 0 keeps every
- * request's context in one partition (batch-invariant sums, for deterministic serving).
- * Returns 0; -1 for shapes this kernel does not handle (the caller then uses PyTorch);
- * -2 when out of memory. */
-int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const float *q, float *out,
-                                   const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
-                                   int64_t max_blocks, int block_size, int num_kv_heads, int group,
-                                   int head_dim, float scale, int num_threads, int allow_split) {
+/* Partitions per request: enough to give every thread ~4 work items, none shorter than MIN_PARTITION_BLOCKS
+ * blocks (below that the merge costs more than it spreads); 1 without allow_split (each query's sums in one
+ * order, batch or not). */
+static int64_t partitions(int64_t batch, int64_t max_blocks, int num_threads, int allow_split) {
+    int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;
+    if (parts > max_blocks / MIN_PARTITION_BLOCKS) parts = max_blocks / MIN_PARTITION_BLOCKS;
+    return parts < 1 || !allow_split ? 1 : parts;
+}
+
+/* Floats of scratch kvbaton_paged_decode_attention_team needs for these arguments (0: none). */
+int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks, int num_heads, int head_dim,
+                                               int num_threads, int allow_split) {
+    const int64_t parts = partitions(batch, max_blocks, num_threads, allow_split);
+    return parts > 1 ? batch * parts * ((int64_t)num_heads * head_dim + 2 * num_heads) : 0;
+}
+
+/* The attention on the calling team (orphaned `omp for`s, as kvbaton_linear_dot_team: see linear_dot.c),
+ * partial results in `scratch` (kvbaton_paged_decode_attention_scratch floats, shared by the team). */
+int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, const float *q, float *out,
+                                        const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
+                                        int64_t max_blocks, int block_size, int num_kv_heads, int group,
+                                        int head_dim, float scale, int num_threads, int allow_split,
+                                        float *scratch) {
     const int num_heads = num_kv_heads * group;
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || head_dim % 8 || num_kv_heads * head_dim > MAX_KV_ROW
         || !kv_format_ok(kv_format))
         return -1;
     const Shape shape = {kv_cache, kv_format, block_size, num_kv_heads, group, head_dim, scale};
-    /* Enough partitions per request to give every thread ~4 work items, none shorter than
-     * MIN_PARTITION_BLOCKS blocks (below that the merge costs more than it spreads). */
-    int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;
-    if (parts > max_blocks / MIN_PARTITION_BLOCKS) parts = max_blocks / MIN_PARTITION_BLOCKS;
-    if (parts < 1 || !allow_split) parts = 1;  /* no split: each query's sums in one order, batch or not */
+    const int64_t parts = partitions(batch, max_blocks, num_threads, allow_split);
     const int64_t part_tokens = ((max_blocks * block_size + parts - 1) / parts + block_size - 1)
                                 / block_size * block_size;  /* whole blocks */
     const int64_t hd = (int64_t)num_heads * head_dim;
-    float *acc = NULL, *maxes = NULL, *sums = NULL;
-    if (parts > 1) {
-        acc = malloc(sizeof(float) * batch * parts * hd);
-        maxes = malloc(sizeof(float) * batch * parts * num_heads);
-        sums = malloc(sizeof(float) * batch * parts * num_heads);
-        if (!acc || !maxes || !sums) {
-            free(acc), free(maxes), free(sums);
-            return -2;
-        }
-    }
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    float *acc = scratch, *maxes = scratch + batch * parts * hd, *sums = maxes + batch * parts * num_heads;
+#pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < batch * parts; item++) {
         const int64_t b = item / parts, p = item % parts;
         const int64_t start = p * part_tokens;
@@ -546,7 +547,7 @@ int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const fl
         }
     }
     if (parts > 1) {
-#pragma omp parallel for num_threads(num_threads)
+#pragma omp for
         for (int64_t bh = 0; bh < batch * num_heads; bh++) {
             const int64_t b = bh / num_heads;
             const int h = (int)(bh % num_heads);
@@ -569,7 +570,32 @@ int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const fl
             const float inv = 1.0f / total;
             for (int i = 0; i < head_dim; i++) o[i] *= inv;
         }
-        free(acc), free(maxes), free(sums);
     }
     return 0;
+}
+
+/* q: [B, H, D] fp32 (the G query heads of a KV head adjacent); out: [B, H, D] fp32;
+ * block_tables: [B, max_blocks] int64; context_lens: [B] int64 (each >= 1); allow_split: 0 keeps every
+ * request's context in one partition (batch-invariant sums, for deterministic serving).
+ * Returns 0; -1 for shapes this kernel does not handle (the caller then uses PyTorch);
+ * -2 when out of memory. */
+int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const float *q, float *out,
+                                   const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
+                                   int64_t max_blocks, int block_size, int num_kv_heads, int group,
+                                   int head_dim, float scale, int num_threads, int allow_split) {
+    const int64_t floats = kvbaton_paged_decode_attention_scratch(batch, max_blocks, num_kv_heads * group, head_dim,
+                                                                  num_threads, allow_split);
+    float *scratch = floats ? malloc(sizeof(float) * floats) : NULL;
+    if (floats && !scratch) return -2;
+    int rc = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int mine = kvbaton_paged_decode_attention_team(kv_cache, kv_format, q, out, block_tables, context_lens,
+                                                             batch, max_blocks, block_size, num_kv_heads, group,
+                                                             head_dim, scale, num_threads, allow_split, scratch);
+#pragma omp master
+        rc = mine;
+    }
+    free(scratch);
+    return rc;
 }

@@ -16,13 +16,13 @@
 #define MAX_HEAD_DIM 256
 
 /* x: `rows` rows `row_stride` elements apart, whose first `heads` heads of `head_dim` are rotated; cos, sin:
- * bf16 tables of head_dim per entry, row r taking entry positions[r] (positions NULL: entry r). */
-void kvbaton_rope_bf16(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
-                       const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim, int num_threads) {
+ * bf16 tables of head_dim per entry, row r taking entry positions[r] (positions NULL: entry r).
+ * On the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+void kvbaton_rope_bf16_team(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
+                            const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim) {
     const int64_t d = head_dim, half = d / 2;
     if (d > MAX_HEAD_DIM || d % 2) return;
-    /* a decode step's few rows: not worth waking the threads */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * heads >= 256)
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t entry = positions ? positions[r] : r;
         const uint16_t *c = cos + entry * d, *s = sin + entry * d;
@@ -39,4 +39,11 @@ void kvbaton_rope_bf16(uint16_t *x, int64_t row_stride, const uint16_t *cos, con
             }
         }
     }
+}
+
+void kvbaton_rope_bf16(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
+                       const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim, int num_threads) {
+    /* a decode step's few rows: not worth waking the threads */
+#pragma omp parallel num_threads(num_threads) if (rows * heads >= 256)
+    kvbaton_rope_bf16_team(x, row_stride, cos, sin, positions, rows, heads, head_dim);
 }

@@ -12,9 +12,10 @@
 
 #include "vec8.h"
 
-/* gate_up: [rows, 2 * inter] bf16 (each row: the gate half, then the up half); out: [rows, inter] bf16. */
-void kvbaton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * inter > 65536)
+/* gate_up: [rows, 2 * inter] bf16 (each row: the gate half, then the up half); out: [rows, inter] bf16.
+ * Rows split across the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+void kvbaton_silu_mul_bf16_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter) {
+#pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter, *up = gate + inter;
         uint16_t *o = out + r * inter;
@@ -25,4 +26,9 @@ void kvbaton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows,
             o[i] = f32_to_bf16(act * bf16_to_f32(up[i]));
         }
     }
+}
+
+void kvbaton_silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (rows * inter > 65536)
+    kvbaton_silu_mul_bf16_team(gate_up, out, rows, inter);
 }
