@@ -492,12 +492,16 @@ static void attend(const Shape *s, const float *q, const int64_t *blocks, int64_
 }
 
 /* Partitions per request: enough to give every thread ~4 work items, none shorter than MIN_PARTITION_BLOCKS
- * blocks (below that the merge costs more than it spreads); 1 without allow_split (each query's sums in one
- * order, batch or not). */
+ * blocks (below that the merge costs more than it spreads), and a whole number of items per thread where that
+ * leaves more than one (5 partitions on 2 threads took as long as 6); 1 without allow_split (each query's sums
+ * in one order, batch or not). */
 static int64_t partitions(int64_t batch, int64_t max_blocks, int num_threads, int allow_split) {
     int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;
     if (parts > max_blocks / MIN_PARTITION_BLOCKS) parts = max_blocks / MIN_PARTITION_BLOCKS;
-    return parts < 1 || !allow_split ? 1 : parts;
+    if (parts < 1 || !allow_split) return 1;
+    for (int64_t fewer = parts; fewer > 1; fewer--)
+        if (batch * fewer % num_threads == 0) return fewer;
+    return parts;
 }
 
 /* Floats of scratch kvbaton_paged_decode_attention_team needs for these arguments (0: none). */
