@@ -86,6 +86,10 @@ typedef struct {
     float eps, scale;
     int32_t block_size, kv_format, num_threads, allow_split;
     const uint16_t *cos, *sin;  /* bf16 [max_positions, head_dim]: RoPE's table, sin signed ([-sin, sin]) */
+    /* The head: the final norm and the lm_head (lm_head.n, the vocabulary; 0: no head, the loop stops at
+     * the last layer). */
+    const uint16_t *final_norm;
+    LinearSpec lm_head;
 } StackSpec;
 
 static const LinearOption *pick(const LinearSpec *l, int64_t rows) {
@@ -99,7 +103,7 @@ static const LinearOption *pick(const LinearSpec *l, int64_t rows) {
 /* ---- workspace: every intermediate of a layer, carved out of one caller-owned buffer ---- */
 
 typedef struct {
-    uint16_t *h, *qkv, *attn, *gate_up, *act;
+    uint16_t *h, *qkv, *attn, *gate_up, *act, *logits16;
     float *q32, *attn32, *f32_in, *f32_out, *attn_scratch;
 } Workspace;
 
@@ -108,7 +112,8 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
 static int64_t carve(const StackSpec *s, int64_t rows, char *base, Workspace *w) {
     const int64_t q = s->num_heads * s->head_dim, qkv = q + 2 * s->num_kv_heads * s->head_dim;
     const int64_t inter = s->intermediate, widest_in = max3(s->hidden, q, inter);
-    const int64_t widest_out = max3(qkv, s->hidden, 2 * inter);
+    const int64_t widest_out = max3(qkv, s->hidden, 2 * inter) > s->lm_head.n ? max3(qkv, s->hidden, 2 * inter)
+                                                                               : s->lm_head.n;
     int64_t off = 0;
 #define SLICE(field, type, count)                                   \
     if (base) w->field = (type *)(base + off);                      \
@@ -118,6 +123,7 @@ static int64_t carve(const StackSpec *s, int64_t rows, char *base, Workspace *w)
     SLICE(attn, uint16_t, q)
     SLICE(gate_up, uint16_t, 2 * inter)
     SLICE(act, uint16_t, inter)
+    SLICE(logits16, uint16_t, s->lm_head.n)
     SLICE(q32, float, q)
     SLICE(attn32, float, q)
     SLICE(f32_in, float, widest_in)
@@ -243,10 +249,27 @@ static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t
     return linear(s, pick(&l->down, rows), &l->down, w->act, x, rows, w);
 }
 
-/* Whether every layer has a kernel for `rows` rows (nothing else this loop needs can be missing: the
- * builder checked the rest once). */
+/* The head on the last layer's output: logits [rows, vocab] fp32, each rounded to bf16 first (the lm_head's
+ * bf16 output widened, as the Python forward's `lm_head(x).float()`). */
+static int run_head(const StackSpec *s, const uint16_t *x, uint16_t *residual, float *logits, int64_t rows,
+                    const Workspace *w) {
+    const int64_t vocab = s->lm_head.n;
+    kvbaton_add_rms_norm_bf16_team(x, residual, residual, w->h, s->final_norm, rows, s->hidden, s->eps);
+    const int rc = linear(s, pick(&s->lm_head, rows), &s->lm_head, w->h, w->logits16, rows, w);
+    if (rc) return rc;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * vocab; i += 4096) {
+        const int64_t end = i + 4096 < rows * vocab ? i + 4096 : rows * vocab;
+#pragma omp simd
+        for (int64_t j = i; j < end; j++) logits[j] = bf16_to_f32(w->logits16[j]);
+    }
+    return 0;
+}
+
+/* Whether every layer (and the head, where there is one) has a kernel for `rows` rows (nothing else this loop
+ * needs can be missing: the builder checked the rest once). */
 int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int64_t rows) {
-    if (rows < 1) return 0;
+    if (rows < 1 || (s->lm_head.n && !pick(&s->lm_head, rows))) return 0;
     for (int64_t i = 0; i < s->num_layers; i++) {
         const LayerSpec *l = &layers[i];
         if (!pick(&l->qkv, rows) || !pick(&l->o, rows) || !pick(&l->gate_up, rows) || !pick(&l->down, rows))
@@ -257,15 +280,16 @@ int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int6
 
 /* x: [rows, hidden] bf16, the embeddings in, the last layer's output (before its residual add) out;
  * residual: [rows, hidden] bf16, written; positions, slots, context_lens: [rows] int64; block_table: [rows,
- * max_blocks] int64; workspace: kvbaton_decode_layers_workspace(rows) bytes, 64-byte aligned.
+ * max_blocks] int64; workspace: kvbaton_decode_layers_workspace(rows) bytes, 64-byte aligned; logits: NULL (the
+ * loop stops at the last layer), or [rows, vocab] fp32 for every row's logits (a stack with a head).
  * Returns 0; -1 for a step it does not take (checked before anything is written); -2 for a short workspace;
  * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step). */
 int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t *x, uint16_t *residual,
                           const int64_t *positions, const int64_t *slots, const int64_t *block_table,
                           int64_t max_blocks, const int64_t *context_lens, int64_t rows, void *workspace,
-                          int64_t workspace_bytes) {
+                          int64_t workspace_bytes, float *logits) {
     if (s->head_dim > 256 || s->head_dim % 2 || (s->kv_format != KV_BF16 && s->kv_format != KV_F32)
-        || !kvbaton_decode_layers_take(s, layers, rows))
+        || !kvbaton_decode_layers_take(s, layers, rows) || (logits && !s->lm_head.n))
         return -1;
     if (workspace_bytes < kvbaton_decode_layers_workspace(s, rows)) return -2;
     Workspace w;
@@ -273,13 +297,15 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
     int status = 0;
     /* One parallel region for the whole step: no fork and join per kernel (see linear_dot.c). */
 #pragma omp parallel num_threads(s->num_threads)
-    for (int64_t i = 0; i < s->num_layers; i++) {
-        if (run_layer(s, &layers[i], i == 0, x, residual, positions, slots, block_table, max_blocks, context_lens,
-                      rows, &w)) {
+    {
+        int rc = 0;
+        for (int64_t i = 0; i < s->num_layers && !rc; i++)
+            rc = run_layer(s, &layers[i], i == 0, x, residual, positions, slots, block_table, max_blocks,
+                           context_lens, rows, &w);
+        if (!rc && logits) rc = run_head(s, x, residual, logits, rows, &w);
+        /* every thread got the same code at the same point */
 #pragma omp master
-            status = -3;
-            break;  /* every thread: each got the same code at the same point */
-        }
+        status = rc ? -3 : 0;
     }
     return status;
 }

@@ -40,7 +40,8 @@ class StackSpec(ctypes.Structure):
                 ("num_kv_heads", ctypes.c_int64), ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("block_size", ctypes.c_int32),
                 ("kv_format", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("allow_split", ctypes.c_int32),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("lm_head", LinearSpec)]  # lm_head.n == 0: no head
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,19 @@ class DecodeLayers:
             known = self._takes[rows] = bool(self._take(self._stack_ref, self._layers_ref, rows))
         return known
 
+    @property
+    def has_head(self) -> bool:
+        """Whether the stack ends in the final norm and lm_head (`logits=True` calls)."""
+        return self.stack.lm_head.n > 0
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, block_table: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
+                 context_lens: torch.Tensor, logits: bool = False) -> torch.Tensor:
         """x: [T, E] bf16 embeddings, overwritten by the last layer's output; positions, slots, context_lens: [T]
-        int64; block_table: [T, nb] int64 (all contiguous) -> the residual stream [T, E] (x not yet added)."""
+        int64; block_table: [T, nb] int64 (all contiguous) -> the residual stream [T, E] (x not yet added), or
+        with `logits` (a stack with a head) every row's logits [T, V] fp32."""
         rows = x.shape[0]
         residual = torch.empty_like(x)
+        out = torch.empty(rows, self.stack.lm_head.n, dtype=torch.float32) if logits else None
         need = self._workspace_bytes(self._stack_ref, rows)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need + 64, dtype=torch.uint8)
@@ -89,10 +97,10 @@ class DecodeLayers:
         workspace += -workspace % 64
         rc = self._run(self._stack_ref, self._layers_ref, x.data_ptr(), residual.data_ptr(), positions.data_ptr(),
                        slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(), rows,
-                       workspace, self._workspace.numel() - 64)
+                       workspace, self._workspace.numel() - 64, None if out is None else out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"the C layer loop failed ({rc}) on a step of {rows} rows")
-        return residual
+        return residual if out is None else out
 
 
 def linear_spec(choices: list[KernelChoice], n: int, k: int, keep: list[torch.Tensor]) -> LinearSpec:

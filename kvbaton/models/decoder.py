@@ -52,6 +52,8 @@ class DecoderStack(nn.Module):
         loop = self.layer_loop
         residual: torch.Tensor | None = None
         if loop is not None and loop.runs(meta, kv_caches, x.shape[0]):
+            if loop.has_head and _every_row(logits_indices, x.shape[0]):
+                return loop.logits(x, positions, meta)  # the head too, in the same C call
             residual = loop(x, positions, meta)  # x: the last layer's output, in place
         else:
             cos_sin = self.rope.cos_sin(positions)  # once per step, shared by all layers
@@ -62,3 +64,10 @@ class DecoderStack(nn.Module):
         assert residual is not None, "the model has no layers (or no KV caches)"
         x, _ = self.norm.add_forward(x[logits_indices], residual[logits_indices])  # [S, E]: only sampled rows
         return self.lm_head(x).float()  # [S, V]
+
+
+def _every_row(logits_indices: torch.Tensor, rows: int) -> bool:
+    """Whether a step samples each of its rows once, in order (every decode step does)."""
+    if logits_indices.shape[0] != rows:
+        return False
+    return rows == 1 or bool(torch.equal(logits_indices, torch.arange(rows)))

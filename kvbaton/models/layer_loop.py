@@ -61,8 +61,20 @@ class LayerLoop:
                 and meta.decode_kernel is self.decode_kernel and kv_caches is self.kv_caches
                 and self.layers.takes(rows))
 
+    @property
+    def has_head(self) -> bool:
+        """Whether `logits` runs the final norm and the lm_head in the same call."""
+        return self.layers.has_head
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: the step's embeddings [T, E], overwritten by the last layer's output -> the residual stream."""
+        return self._run(x, positions, meta, logits=False)
+
+    def logits(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Every row's logits [T, V] fp32: the layers, the final norm and the lm_head in one call (`has_head`)."""
+        return self._run(x, positions, meta, logits=True)
+
+    def _run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor:
         table, lens = meta.decode_block_table, meta.decode_context_lens
         assert table is not None and lens is not None, "a decode step carries its block table"
         # NOTE: the C loop indexes RoPE's table and the pools without bounds checks (PyTorch's indexing had them)
@@ -71,7 +83,7 @@ class LayerLoop:
         if int(meta.slot_mapping.max()) >= self.kv_caches[0].shape[0]:
             raise IndexError(f"slot {int(meta.slot_mapping.max())} is past the KV pool ({self.kv_caches[0].shape[0]})")
         return self.layers(x, positions.contiguous(), meta.slot_mapping.contiguous(), table.contiguous(),
-                           lens.contiguous())
+                           lens.contiguous(), logits=logits)
 
 
 def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
@@ -96,11 +108,25 @@ def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], bloc
                       block_size=block_size, kv_format=KV_FORMATS[kv_caches[0].dtype],
                       num_threads=decode_kernel.num_threads, allow_split=int(decode_kernel.split_context),
                       cos=model.rope.cos.data_ptr(), sin=model.rope.sin.data_ptr())
+    _add_head(stack, model, keep)
     loop = decode_layers(stack, [s for s in layers if s is not None], keep)
     if loop is None:
         return None
     log.info("decode steps run the C layer loop (%d layers)", len(layers))
     return LayerLoop(loop, kv_caches, decode_kernel, model.rope.cos.shape[0])
+
+
+def _add_head(stack: StackSpec, model: LlamaForCausalLM, keep: list[torch.Tensor]) -> None:
+    """The final norm and the lm_head into the stack, where both have the C kernels the Python forward would
+    run (else the stack has no head and the Python forward computes the logits)."""
+    norm, lm_head = model.norm, model.lm_head
+    head = _choices(lm_head)
+    if norm.kernel is None or not head:
+        log.info("the lm_head runs after the C layer loop, in Python")
+        return
+    keep.append(norm.weight)
+    stack.final_norm = norm.weight.data_ptr()
+    stack.lm_head = linear_spec(head, lm_head.out_features, lm_head.in_features, keep)
 
 
 def _why_not(model: torch.nn.Module, kv_caches: list[torch.Tensor],

@@ -26,6 +26,8 @@ class CountingLoop:
     def __init__(self, loop: LayerLoop) -> None:
         self.loop = loop
         self.steps: list[int] = []
+        self.with_head: list[int] = []  # the steps whose logits came out of the loop too
+        self.has_head = loop.has_head
 
     def runs(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor], rows: int) -> bool:
         return self.loop.runs(meta, kv_caches, rows)
@@ -33,6 +35,11 @@ class CountingLoop:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.steps.append(x.shape[0])
         return self.loop(x, positions, meta)
+
+    def logits(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.steps.append(x.shape[0])
+        self.with_head.append(x.shape[0])
+        return self.loop.logits(x, positions, meta)
 
 
 def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]:
@@ -60,6 +67,9 @@ def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, determi
     prompts = tiny_prompts(3, [9, 30, 17, *range(4, 30, 2)])
     with_loop = generate(llm, prompts)
     assert counting.steps, "no step ran the C loop"
+    assert counting.has_head and counting.with_head, "no step's logits came out of the C loop"
+    if deterministic:  # a prompt step samples one row of many: the loop stops at the last layer, Python goes on
+        assert len(counting.with_head) < len(counting.steps)
     if path == "avx512-bf16" and not deterministic:  # its dot kernel takes up to 16 rows, so the loop does
         assert max(counting.steps) == len(prompts) == llm.engine.core.compute_plan.few_rows
     if deterministic:  # every token attends as a decode query: prompt steps run the loop too
