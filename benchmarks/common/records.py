@@ -94,6 +94,9 @@ class Latency:
     decode_ms_median_gap: float | None
     n_tokens: int
     chunks: int | None = optional()  # streamed over HTTP: stream chunks seen
+    # the read bandwidth (GB/s) measured in the engine's own process just before and just after this request:
+    # this host's bandwidth jumps between levels within minutes, so a roofline for this run needs its moment's
+    read_gb_s_around: tuple[float, float] | None = optional()
 
 
 @dataclass(frozen=True, kw_only=True)

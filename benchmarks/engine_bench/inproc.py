@@ -4,13 +4,14 @@ machine's bandwidth, measured alone in a process of its own too)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 from common.log import log
-from common.machine import measure_bandwidth
+from common.machine import measure_bandwidth, read_gb_s_now
 from common.prompts import make_prompts
 from common.records import Bandwidth, Latency, Throughput, WorkerRun
 from engine_bench.measure import PROBE_N, PROBE_OUT, best_of, latency_summary, log_latency, throughput_skip
@@ -18,6 +19,13 @@ from engine_bench.measure import PROBE_N, PROBE_OUT, best_of, latency_summary, l
 
 def worker_bandwidth(args: argparse.Namespace) -> Bandwidth:
     return measure_bandwidth(args.sizes.bw_mb, args.threads)
+
+
+def _paired(measure: Callable[[], Latency], probe: Any) -> Latency:
+    """`measure()` with the read bandwidth taken just before and just after it (`probe`: a large tensor)."""
+    before = read_gb_s_now(probe)
+    latency = measure()
+    return dataclasses.replace(latency, read_gb_s_around=(before, read_gb_s_now(probe)))
 
 
 def _kvbaton_latency(llm: Any, prompt: list[int], out_len: int, rid: str) -> Latency:
@@ -72,7 +80,10 @@ def worker_kvbaton(args: argparse.Namespace) -> WorkerRun:
     log(f"kvbaton {args.dtype} compile={args.compile}: loaded in {load_s:.1f}s, warm-up {warmup_s:.1f}s")
 
     prompts = make_prompts(args.seed, "latency", s.latency_repeats, s.prompt_len, vocab)
-    latency = best_of([_kvbaton_latency(llm, p, s.out_len, f"lat-{i}") for i, p in enumerate(prompts)])
+    probe = torch.ones(s.bw_mb * 2**20 // 4)
+    latency = best_of([_paired(partial(_kvbaton_latency, llm, p, s.out_len, f"lat-{i}"), probe)
+                       for i, p in enumerate(prompts)])
+    del probe
     log_latency("kvbaton", latency)
 
     def offline() -> Throughput:

@@ -83,10 +83,31 @@ def table(results: dict) -> str:
             lines.append(f"| {r['engine']} | {fmt(r.get('decode_ms'), '.2f')} | {fmt(frac, '.0f')} "
                          f"| {fmt(r.get('prefill_tok_s'), '.0f')} | {fmt(r.get('tput_tok_s'))} | {ratio} "
                          f"| {r.get('note', '')[:200]} |")
+        paired = paired_roofline(results, dtype)
+        if paired:
+            lines += ["", paired]
         paths = {name: (dres.get(key) or {}).get("compute_path") for name, key in (
             ("kvbaton", "kvbaton"), ("kvbaton --deterministic", "kvbaton_deterministic"))}
         lines += ["", *[f"Compute path ({name}): {path}" for name, path in paths.items() if path]]
     return "\n".join(lines)
+
+
+def paired_roofline(results: dict, dtype: str) -> str:
+    """kvbaton's decode runs, each against the roofline at the read bandwidth measured in its own process just
+    before and after it (the higher of the two: the more demanding roofline)."""
+    rounds = results.get("rounds") or [results]
+    runs = [run for r in rounds
+            for run in ((((r["dtypes"].get(dtype) or {}).get("kvbaton") or {}).get("latency") or {}).get("runs") or ())
+            if run.get("read_gb_s_around")]
+    if not runs:
+        return ""
+    step_bytes = results["dtypes"][dtype]["roofline"]["bytes_per_step"]
+    parts = [(step_bytes / (max(run["read_gb_s_around"]) * 1e9) * 1e3 / run["decode_ms_per_tok"], run) for run in runs]
+    listed = "; ".join(f"{run['decode_ms_per_tok']:.2f} ms at {' / '.join(f'{b:.0f}' for b in run['read_gb_s_around'])}"
+                       f" GB/s: {frac * 100:.0f}%" for frac, run in parts)
+    best = max(frac for frac, _ in parts)
+    return (f"kvbaton against the roofline at its own moment (the read bandwidth measured in its process just "
+            f"before / after each run; the higher one sets the roofline): {listed}. Best {best * 100:.0f}%.")
 
 
 def deterministic_cost(kv: dict | None, det: dict | None) -> str:

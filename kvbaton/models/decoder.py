@@ -22,7 +22,12 @@ class LayerLoop(Protocol):
 
     def runs(self, meta: AttentionMetadata, kv_caches: list[KVCache], rows: int) -> bool: ...
 
+    @property
+    def has_head(self) -> bool: ...  # whether `logits` runs the final norm and the lm_head too
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
 
 class DecoderStack(nn.Module):
