@@ -86,6 +86,7 @@ typedef struct {
     float eps, scale;
     int32_t block_size, kv_format, num_threads, allow_split;
     const uint16_t *cos, *sin;  /* bf16 [max_positions, head_dim]: RoPE's table, sin signed ([-sin, sin]) */
+    int64_t max_positions, num_slots;  /* RoPE's table rows and the KV pools' slots: a step's bounds */
     /* The head: the final norm and the lm_head (lm_head.n, the vocabulary; 0: no head, the loop stops at
      * the last layer). */
     const uint16_t *final_norm;
@@ -283,7 +284,8 @@ int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int6
  * max_blocks] int64; workspace: kvbaton_decode_layers_workspace(rows) bytes, 64-byte aligned; logits: NULL (the
  * loop stops at the last layer), or [rows, vocab] fp32 for every row's logits (a stack with a head).
  * Returns 0; -1 for a step it does not take (checked before anything is written); -2 for a short workspace;
- * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step). */
+ * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step);
+ * -4 for a position past RoPE's table, -5 for a slot past the pools (checked before anything is written). */
 int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t *x, uint16_t *residual,
                           const int64_t *positions, const int64_t *slots, const int64_t *block_table,
                           int64_t max_blocks, const int64_t *context_lens, int64_t rows, void *workspace,
@@ -292,6 +294,10 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
         || !kvbaton_decode_layers_take(s, layers, rows) || (logits && !s->lm_head.n))
         return -1;
     if (workspace_bytes < kvbaton_decode_layers_workspace(s, rows)) return -2;
+    for (int64_t r = 0; r < rows; r++) {  /* the kernels index the table and the pools unchecked */
+        if (positions[r] < 0 || positions[r] >= s->max_positions) return -4;
+        if (slots[r] < 0 || slots[r] >= s->num_slots) return -5;
+    }
     Workspace w;
     carve(s, rows, (char *)workspace, &w);
     int status = 0;

@@ -41,6 +41,7 @@ class StackSpec(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("block_size", ctypes.c_int32),
                 ("kv_format", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("allow_split", ctypes.c_int32),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("max_positions", ctypes.c_int64), ("num_slots", ctypes.c_int64),
                 ("final_norm", ctypes.c_void_p), ("lm_head", LinearSpec)]  # lm_head.n == 0: no head
 
 
@@ -98,6 +99,10 @@ class DecodeLayers:
         rc = self._run(self._stack_ref, self._layers_ref, x.data_ptr(), residual.data_ptr(), positions.data_ptr(),
                        slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(), rows,
                        workspace, self._workspace.numel() - 64, None if out is None else out.data_ptr())
+        if rc == -4:
+            raise IndexError(f"a position of {positions.tolist()} is past the RoPE table ({self.stack.max_positions})")
+        if rc == -5:
+            raise IndexError(f"a slot of {slots.tolist()} is past the KV pool ({self.stack.num_slots})")
         if rc != 0:
             raise RuntimeError(f"the C layer loop failed ({rc}) on a step of {rows} rows")
         return residual if out is None else out

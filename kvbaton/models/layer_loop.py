@@ -47,12 +47,10 @@ LAYER_LOOP_ENV = "KVBATON_LAYER_LOOP"  # 0: every step through the Python loop (
 class LayerLoop:
     """The C loop over one model's layers and KV pools; `runs` says whether it takes a step."""
 
-    def __init__(self, layers: DecodeLayers, kv_caches: list[torch.Tensor], decode_kernel: PagedDecodeKernel,
-                 max_positions: int) -> None:
+    def __init__(self, layers: DecodeLayers, kv_caches: list[torch.Tensor], decode_kernel: PagedDecodeKernel) -> None:
         self.layers = layers
         self.kv_caches = kv_caches
         self.decode_kernel = decode_kernel
-        self.max_positions = max_positions
 
     def runs(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor], rows: int) -> bool:
         # NOTE: after_layer (layer-wise KV sending) needs Python between layers; a prefill worker's steps have it
@@ -77,11 +75,7 @@ class LayerLoop:
     def _run(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor:
         table, lens = meta.decode_block_table, meta.decode_context_lens
         assert table is not None and lens is not None, "a decode step carries its block table"
-        # NOTE: the C loop indexes RoPE's table and the pools without bounds checks (PyTorch's indexing had them)
-        if int(positions.max()) >= self.max_positions:
-            raise IndexError(f"position {int(positions.max())} is past the RoPE table ({self.max_positions})")
-        if int(meta.slot_mapping.max()) >= self.kv_caches[0].shape[0]:
-            raise IndexError(f"slot {int(meta.slot_mapping.max())} is past the KV pool ({self.kv_caches[0].shape[0]})")
+        # NOTE: positions and slots are bounds-checked in C (IndexError), before anything is written
         return self.layers(x, positions.contiguous(), meta.slot_mapping.contiguous(), table.contiguous(),
                            lens.contiguous(), logits=logits)
 
@@ -107,13 +101,14 @@ def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], bloc
                       intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, scale=first.self_attn.attn.scale,
                       block_size=block_size, kv_format=KV_FORMATS[kv_caches[0].dtype],
                       num_threads=decode_kernel.num_threads, allow_split=int(decode_kernel.split_context),
-                      cos=model.rope.cos.data_ptr(), sin=model.rope.sin.data_ptr())
+                      cos=model.rope.cos.data_ptr(), sin=model.rope.sin.data_ptr(),
+                      max_positions=model.rope.cos.shape[0], num_slots=kv_caches[0].shape[0])
     _add_head(stack, model, keep)
     loop = decode_layers(stack, [s for s in layers if s is not None], keep)
     if loop is None:
         return None
     log.info("decode steps run the C layer loop (%d layers)", len(layers))
-    return LayerLoop(loop, kv_caches, decode_kernel, model.rope.cos.shape[0])
+    return LayerLoop(loop, kv_caches, decode_kernel)
 
 
 def _add_head(stack: StackSpec, model: LlamaForCausalLM, keep: list[torch.Tensor]) -> None:
