@@ -24,7 +24,8 @@ from kvbaton.paths import kernels_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c",
-           "linear_dot.c", "gemm_amx.c", "moe_experts.c", "silu_mul_bf16.c", "rope_bf16.c", "decode_layers.c")
+           "linear_dot.c", "gemm_amx.c", "moe_experts.c", "silu_mul_bf16.c", "rope_bf16.c", "decode_layers.c",
+           "argmax_rows.c")
 HEADERS = ("vec8.h", "bf16x16.h")
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C signatures: name -> (return type, argument types); the sources document each argument.
@@ -44,6 +45,7 @@ SIGNATURES = {
     "kvbaton_rope_bf16": (None, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i]),
     "kvbaton_decode_layers": (_i, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i64, _p]),
     "kvbaton_decode_layers_take": (_i, [_p, _p, _i64]),
+    "kvbaton_argmax_rows": (None, [_p, _i64, _i64, _p, _i]),
     "kvbaton_decode_layers_workspace": (_i64, [_p, _i64]),
 }
 
@@ -53,8 +55,9 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 # every float parsed there after (a request's top_p of 5e-324 read as 0.0) and torch's own arithmetic.
 LDFLAGS = ("-fopenmp", "-shared")
 # Per-source flags, after CFLAGS (so they override): the batch-invariant kernels must not let the compiler
-# reorder their sums (see linear_dot.c).
-SOURCE_FLAGS = {"linear_dot.c": ("-fno-fast-math",), "gemm_amx.c": ("-fno-fast-math",)}
+# reorder their sums (see linear_dot.c), and the argmax must see NaNs.
+SOURCE_FLAGS = {"linear_dot.c": ("-fno-fast-math",), "gemm_amx.c": ("-fno-fast-math",),
+                "argmax_rows.c": ("-fno-fast-math",)}
 
 
 def _cpu_fingerprint() -> str:
