@@ -116,8 +116,7 @@ def test_moe_models_keep_the_python_loop(tiny_moe_models):
     assert llm.engine.core.runner.model.layer_loop is None
 
 
-@pytest.mark.parametrize("bad", ["position", "slot"])
-def test_a_step_out_of_bounds_is_refused_before_anything_is_written(tiny_models, bad):
+def test_a_step_out_of_bounds_is_refused_before_anything_is_written(tiny_models):
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
     model = llm.engine.core.runner.model
     loop = model.layer_loop
@@ -125,9 +124,9 @@ def test_a_step_out_of_bounds_is_refused_before_anything_is_written(tiny_models,
         pytest.skip("no C layer loop on this machine's compute path")
     layers, pools = loop.layers, loop.kv_caches
     before = [p.clone() for p in pools]
-    position = layers.stack.max_positions if bad == "position" else 3
-    slot = layers.stack.num_slots if bad == "slot" else 3
-    x = model.embed_tokens(torch.tensor([5]))
-    with pytest.raises(IndexError, match="RoPE table" if bad == "position" else "KV pool"):
-        layers(x, torch.tensor([position]), torch.tensor([slot]), torch.tensor([[0]]), torch.tensor([4]), logits=True)
+    for position, slot, what in ((layers.stack.max_positions, 3, "RoPE table"), (3, layers.stack.num_slots, "KV pool")):
+        x = model.embed_tokens(torch.tensor([5]))
+        with pytest.raises(IndexError, match=what):
+            layers(x, torch.tensor([position]), torch.tensor([slot]), torch.tensor([[0]]), torch.tensor([4]),
+                   logits=True)
     assert all(torch.equal(a, b) for a, b in zip(before, pools))
