@@ -142,9 +142,12 @@ class Receiver(KVReceiver):
         for session, jobs in by_session.items():
             if self._read(session, jobs):
                 continue
-            for job in jobs:  # one bad offer must not sink the others: retry each request alone
-                if len(jobs) == 1 or not self._read(session, [job]):
-                    self._fail(job[0], f"Mooncake read of layers {job[1]} from {session} failed", failed)
+            # One bad offer must not sink the others: each request is read alone. A good read right after Mooncake
+            # refused a bad one can fail too (once in ~30 runs of the bad-offer test on a loaded machine, in CI), so
+            # a request fails only when two of its reads did.
+            for job in jobs:
+                if not any(self._read(session, [job]) for _ in range(1 if len(jobs) == 1 else 2)):
+                    self._fail(job[0], f"Mooncake read of layers {job[1]} from {session} failed twice", failed)
         for request_id, inc in list(self._expected.items()):
             if len(inc.done) == self.layout.num_layers:
                 if time.monotonic() > inc.deadline:  # the sender may have given up and freed its blocks
