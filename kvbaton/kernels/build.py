@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 SOURCES = ("paged_attention.c", "paged_prefill.c", "linear_bf16.c", "gemm_packed.c", "norm_bf16.c", "copy_rows.c",
            "linear_dot.c", "gemm_amx.c", "moe_experts.c", "silu_mul_bf16.c", "rope_bf16.c", "decode_layers.c",
            "argmax_rows.c")
-HEADERS = ("vec8.h", "bf16x16.h")
+HEADERS = ("vec8.h", "bf16x16.h", "team.h")
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C signatures: name -> (return type, argument types); the sources document each argument.
 SIGNATURES = {

@@ -31,7 +31,7 @@
 #include "vec8.h"
 
 /* The kernels this loop calls, in their team form: every thread of the loop's one parallel region calls
- * them with the same arguments and each takes its share (see linear_dot.c); their sources document them. */
+ * them with the same arguments and each takes its share (team.h); their sources document them. */
 int kvbaton_linear_dot_team(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y,
                             int out_mode, int64_t m, int64_t n, int64_t k, int isa, int num_threads);
 int kvbaton_linear_bf16_team(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
@@ -301,7 +301,7 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
     Workspace w;
     carve(s, rows, (char *)workspace, &w);
     int status = 0;
-    /* One parallel region for the whole step: no fork and join per kernel (see linear_dot.c). */
+    /* One parallel region for the whole step: no fork and join per kernel (team.h). */
 #pragma omp parallel num_threads(s->num_threads)
     {
         int rc = 0;

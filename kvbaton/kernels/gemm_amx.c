@@ -24,6 +24,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "team.h"
 #include "vec8.h"
 
 #define AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw")))
@@ -126,7 +127,7 @@ AMX static void work_item(const uint16_t *x, const uint16_t *packed, const float
     _tile_release();
 }
 
-/* On the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+/* On the calling team (team.h). */
 int kvbaton_gemm_amx_team(const uint16_t *x, const uint16_t *packed, const float *bias, void *y, int out_mode,
                           int64_t m, int64_t n, int64_t k, int num_threads) {
     if (m < 1 || n < 1 || k < TILE_K || k % TILE_K) return -1;
@@ -150,12 +151,5 @@ int kvbaton_gemm_amx_team(const uint16_t *x, const uint16_t *packed, const float
 
 int kvbaton_gemm_amx(const uint16_t *x, const uint16_t *packed, const float *bias, void *y, int out_mode, int64_t m,
                      int64_t n, int64_t k, int num_threads) {
-    int rc = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int mine = kvbaton_gemm_amx_team(x, packed, bias, y, out_mode, m, n, k, num_threads);
-#pragma omp master
-        rc = mine;
-    }
-    return rc;
+    return ON_TEAM(num_threads, kvbaton_gemm_amx_team(x, packed, bias, y, out_mode, m, n, k, num_threads));
 }

@@ -17,6 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
 #include "vec8.h"
 
 #define NR 16            /* columns per panel */
@@ -116,7 +117,7 @@ static void tile_any(const float *x, int64_t k, const void *panel, int rows, con
  * bias: [ceil(N/16) * 16] fp32 (zero-padded) or NULL. mode OUT_F32 / OUT_BF16: y = [M, N] fp32 / bf16;
  * OUT_SILU_MUL: each panel holds 8 gate columns then their 8 up columns (N a multiple of 16) and
  * y = silu(gate) * up, [M, N / 2] bf16. Returns 0, or -1 for arguments it does not handle. */
-/* On the calling team (orphaned `omp for`s, as kvbaton_linear_dot_team: see linear_dot.c). */
+/* On the calling team (team.h). */
 int kvbaton_gemm_packed_team(const float *x, const void *packed, int weight_bytes, const float *bias, void *y,
                              int mode, int64_t m, int64_t n, int64_t k) {
     if (m < 1 || n < 1 || k < 1 || (weight_bytes != 2 && weight_bytes != 4) || mode < OUT_F32 || mode > OUT_SILU_MUL
@@ -148,12 +149,5 @@ int kvbaton_gemm_packed_team(const float *x, const void *packed, int weight_byte
 
 int kvbaton_gemm_packed(const float *x, const void *packed, int weight_bytes, const float *bias, void *y,
                         int mode, int64_t m, int64_t n, int64_t k, int num_threads) {
-    int rc = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int mine = kvbaton_gemm_packed_team(x, packed, weight_bytes, bias, y, mode, m, n, k);
-#pragma omp master
-        rc = mine;
-    }
-    return rc;
+    return ON_TEAM(num_threads, kvbaton_gemm_packed_team(x, packed, weight_bytes, bias, y, mode, m, n, k));
 }

@@ -11,6 +11,7 @@
  */
 #include <stdint.h>
 
+#include "team.h"
 #include "vec8.h"
 
 #define MAX_ROWS 8
@@ -45,7 +46,7 @@ static inline void dot_rows(const float *x, const uint16_t *w, int64_t k, const 
         dot_rows(x, w + j * k, k, M, y + j, n); \
         break;
 
-/* On the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+/* On the calling team (team.h). */
 int kvbaton_linear_bf16_team(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
                              int64_t k) {
     if (m < 1 || m > MAX_ROWS || k % 8) return -1;
@@ -71,12 +72,5 @@ int kvbaton_linear_bf16_team(const float *x, const uint16_t *w, const float *bia
 
 int kvbaton_linear_bf16(const float *x, const uint16_t *w, const float *bias, float *y, int64_t m, int64_t n,
                         int64_t k, int num_threads) {
-    int rc = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int mine = kvbaton_linear_bf16_team(x, w, bias, y, m, n, k);
-#pragma omp master
-        rc = mine;
-    }
-    return rc;
+    return ON_TEAM(num_threads, kvbaton_linear_bf16_team(x, w, bias, y, m, n, k));
 }

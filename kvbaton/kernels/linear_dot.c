@@ -26,6 +26,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team.h"
 #include "vec8.h"
 
 enum { ISA_GENERIC = 0, ISA_AVX512_BF16 = 1 };
@@ -163,11 +164,7 @@ AVX512_BF16 static void panel_bf16(const uint16_t *x, const uint16_t *w, const f
 
 /* ---- entry points ----------------------------------------------------------------------------- */
 
-/* The linear on the calling team: every thread of an enclosing parallel region calls it with the same
- * arguments and takes its share (an orphaned `omp for`, which ends in the team's barrier); called outside
- * any region, the one caller does it all. The split depends on num_threads, never on the team, and no
- * output's arithmetic depends on the split. The C layer loop runs a whole step in one region this way:
- * no fork and join per linear, whose cost and restart of the weight stream were ~15% of a batch-1 step. */
+/* The linear on the calling team (team.h). */
 int kvbaton_linear_dot_team(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y,
                             int out_mode, int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
     if (m < 1 || n < 1 || k < 1) return -1;
@@ -201,12 +198,6 @@ int kvbaton_linear_dot_team(const void *x, const void *w, int w_elem_bytes, cons
 
 int kvbaton_linear_dot(const void *x, const void *w, int w_elem_bytes, const float *bias, void *y, int out_mode,
                        int64_t m, int64_t n, int64_t k, int isa, int num_threads) {
-    int rc = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int mine = kvbaton_linear_dot_team(x, w, w_elem_bytes, bias, y, out_mode, m, n, k, isa, num_threads);
-#pragma omp master
-        rc = mine;
-    }
-    return rc;
+    return ON_TEAM(num_threads, kvbaton_linear_dot_team(x, w, w_elem_bytes, bias, y, out_mode, m, n, k, isa,
+                                                        num_threads));
 }

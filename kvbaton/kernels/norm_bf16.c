@@ -13,8 +13,8 @@
 #include "vec8.h"
 
 /* x, delta (or NULL), weight: bf16; writes residual = x + delta (skipped when delta is NULL:
- * the residual is x itself) and out = RMSNorm(residual) * weight. Rows split across the calling team (an
- * orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+ * the residual is x itself) and out = RMSNorm(residual) * weight. Rows split across the calling team
+ * (team.h). */
 void kvbaton_add_rms_norm_bf16_team(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
                                     const uint16_t *weight, int64_t rows, int64_t dim, float eps) {
 #pragma omp for schedule(static)

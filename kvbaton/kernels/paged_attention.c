@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
 #include "vec8.h"
 
 #define MAX_HEADS 64
@@ -511,7 +512,7 @@ int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks
     return parts > 1 ? batch * parts * ((int64_t)num_heads * head_dim + 2 * num_heads) : 0;
 }
 
-/* The attention on the calling team (orphaned `omp for`s, as kvbaton_linear_dot_team: see linear_dot.c),
+/* The attention on the calling team (team.h),
  * partial results in `scratch` (kvbaton_paged_decode_attention_scratch floats, shared by the team). */
 int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, const float *q, float *out,
                                         const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
@@ -591,15 +592,10 @@ int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const fl
                                                                   num_threads, allow_split);
     float *scratch = floats ? malloc(sizeof(float) * floats) : NULL;
     if (floats && !scratch) return -2;
-    int rc = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int mine = kvbaton_paged_decode_attention_team(kv_cache, kv_format, q, out, block_tables, context_lens,
-                                                             batch, max_blocks, block_size, num_kv_heads, group,
-                                                             head_dim, scale, num_threads, allow_split, scratch);
-#pragma omp master
-        rc = mine;
-    }
+    const int rc = ON_TEAM(num_threads, kvbaton_paged_decode_attention_team(
+                                            kv_cache, kv_format, q, out, block_tables, context_lens, batch,
+                                            max_blocks, block_size, num_kv_heads, group, head_dim, scale,
+                                            num_threads, allow_split, scratch));
     free(scratch);
     return rc;
 }

@@ -17,7 +17,7 @@
 
 /* x: `rows` rows `row_stride` elements apart, whose first `heads` heads of `head_dim` are rotated; cos, sin:
  * bf16 tables of head_dim per entry, row r taking entry positions[r] (positions NULL: entry r).
- * On the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+ * On the calling team (team.h). */
 void kvbaton_rope_bf16_team(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
                             const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim) {
     const int64_t d = head_dim, half = d / 2;

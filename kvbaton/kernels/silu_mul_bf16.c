@@ -13,7 +13,7 @@
 #include "vec8.h"
 
 /* gate_up: [rows, 2 * inter] bf16 (each row: the gate half, then the up half); out: [rows, inter] bf16.
- * Rows split across the calling team (an orphaned `omp for`, as kvbaton_linear_dot_team: see linear_dot.c). */
+ * Rows split across the calling team (team.h). */
 void kvbaton_silu_mul_bf16_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter) {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {

@@ -37,8 +37,7 @@ def rows_with_edges(width: int) -> torch.Tensor:
 @pytest.mark.parametrize("width", [1, 5, 15, 16, 17, 100, 49152, 49157])
 def test_the_c_argmax_picks_what_torch_picks(width):
     kernel = argmax_rows_kernel()
-    if kernel is None:
-        pytest.skip("no C compiler: the sampler uses torch.argmax")
+    assert kernel is not None, "kvbaton's C kernels did not build (CI machines have gcc: no skip)"
     logits = rows_with_edges(width)
     assert kernel.handles(logits)
     assert kernel(logits) == logits.argmax(dim=-1).tolist()

@@ -78,12 +78,16 @@ def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, determi
     assert generate(llm, prompts) == with_loop
 
 
-def test_steps_it_does_not_take_run_the_python_loop(tiny_models):
+def tiny_llama_with_loop(tiny_models) -> tuple[LLM, torch.nn.Module, LayerLoop]:
+    """A bf16 tiny Llama on this machine's default compute path, whose every row builds the C loop."""
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
     model = llm.engine.core.runner.model
-    loop = model.layer_loop
-    if loop is None:
-        pytest.skip("no C layer loop on this machine's compute path")
+    assert isinstance(model.layer_loop, LayerLoop), "every compute path's default plan builds the C loop"
+    return llm, model, model.layer_loop
+
+
+def test_steps_it_does_not_take_run_the_python_loop(tiny_models):
+    llm, model, loop = tiny_llama_with_loop(tiny_models)
     counting = CountingLoop(loop)
     model.layer_loop = counting
     generate(llm, tiny_prompts(5, [20]))
@@ -117,11 +121,7 @@ def test_moe_models_keep_the_python_loop(tiny_moe_models):
 
 
 def test_a_step_out_of_bounds_is_refused_before_anything_is_written(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
-    model = llm.engine.core.runner.model
-    loop = model.layer_loop
-    if loop is None:
-        pytest.skip("no C layer loop on this machine's compute path")
+    _, model, loop = tiny_llama_with_loop(tiny_models)
     layers, pools = loop.layers, loop.kv_caches
     before = [p.clone() for p in pools]
     for position, slot, what in ((layers.stack.max_positions, 3, "RoPE table"), (3, layers.stack.num_slots, "KV pool")):
