@@ -4,8 +4,9 @@
  * - Decode on CPUs with AVX512-BF16: with one to a few rows a linear layer is a pass over the
  *   weights, and oneDNN's bf16 GEMM reached 10-16 GB/s of a 20 GB/s read bandwidth on this model's
  *   decode shapes (2-core Xeon with AMX), and ~2.5x the weights' read time at 32 rows (a decode
- *   batch). Here `vdpbf16ps` multiplies bf16 pairs straight from the weight rows (no widening), a
- *   register tile of 4 columns x up to 4 rows reuses every weight load, and the weights ahead are
+ *   batch). Here `vdpbf16ps` multiplies bf16 pairs straight from the weight rows (no widening); up to
+ *   4 rows read each thread's weights as a few address-ordered streams, more rows go through a
+ *   register tile of 4 columns x 4 rows that reuses every weight load, with the weights ahead
  *   prefetched.
  * - Batch-invariant (deterministic) serving: every output y[r][j] is accumulated the same way
  *   whatever the number of rows, the row's place in the batch or the thread count: one vector
@@ -140,6 +141,66 @@ AVX512_BF16 static inline __attribute__((always_inline)) void tile_bf16(const ui
         for (int c = 0; c < cols; c++) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+/* Up to ROWS rows (decode): the linear is a read of the weights. Each thread takes one contiguous share of the
+ * columns and reads it as STREAMS address-ordered streams, one per quarter of the share, each step taking one
+ * column (a whole weight row, every 64-byte chunk used by every row of x) from every quarter: STREAMS
+ * independent accumulator chains per row, over lines the hardware prefetcher follows on its own, as it does a
+ * plain sum's. The register tile below walks 4 adjacent weight rows in step, which read at ~75% of one core's
+ * plain-read bandwidth against 92-97% for this order (Zen 4, one thread, this model's decode linears; software
+ * prefetch only slowed this order). Two cores behind one memory link hid the difference (the link is the limit);
+ * two with a link each showed it: the layer loop's linears read at 57-65 GB/s with the tile and 72-79 with the
+ * streams, where a plain 2-thread sum reads 78. Same arithmetic as the tile: one accumulator per output over K
+ * front to back, one horizontal sum. */
+#define STREAMS 4
+
+AVX512_BF16 static inline __m512bh load_chunk(const uint16_t *p, int64_t left, const int whole) {
+    return whole ? (__m512bh)_mm512_loadu_si512(p) : load_bh(p, left);  /* whole: K % 32 == 0, no tail */
+}
+
+AVX512_BF16 static inline __attribute__((always_inline)) void columns_bf16(const uint16_t *x, const uint16_t *w,
+                                                                           int64_t k, const int whole,
+                                                                           const int rows, const int streams,
+                                                                           int64_t j, int64_t stride,
+                                                                           float out[STREAMS][ROWS]) {
+    __m512 acc[STREAMS][ROWS];
+    const uint16_t *row[STREAMS];
+    for (int s = 0; s < streams; s++) {
+        row[s] = w + (j + s * stride) * k;
+        for (int r = 0; r < rows; r++) acc[s][r] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < k; i += 32) {
+        __m512bh wv[STREAMS];
+        for (int s = 0; s < streams; s++) wv[s] = load_chunk(row[s] + i, k - i, whole);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh xv = load_chunk(x + r * k + i, k - i, whole);
+            for (int s = 0; s < streams; s++) acc[s][r] = _mm512_dpbf16_ps(acc[s][r], xv, wv[s]);
+        }
+    }
+    for (int s = 0; s < streams; s++)
+        for (int r = 0; r < rows; r++) out[s][r] = _mm512_reduce_add_ps(acc[s][r]);
+}
+
+#define BF16_COLUMNS(R, S) \
+    case R: \
+        if (k % 32 == 0) columns_bf16(x, w, k, 1, R, S, j, stride, c); \
+        else columns_bf16(x, w, k, 0, R, S, j, stride, c); \
+        for (int s = 0; s < S; s++) \
+            for (int r = 0; r < R; r++) store(y, r * n + j + s * stride, c[s][r], bias, j + s * stride, out_mode); \
+        break;
+
+/* Columns [j0, j1) for m <= ROWS rows of x, as STREAMS streams (the rest of an uneven split one by one). */
+AVX512_BF16 static void streams_bf16(const uint16_t *x, const uint16_t *w, const float *bias, void *y, int64_t m,
+                                     int64_t n, int64_t k, int64_t j0, int64_t j1, int out_mode) {
+    float c[STREAMS][ROWS];
+    const int64_t stride = (j1 - j0) / STREAMS;
+    for (int64_t j = j0; j < j0 + stride; j++) {
+        switch (m) { BF16_COLUMNS(1, STREAMS) BF16_COLUMNS(2, STREAMS) BF16_COLUMNS(3, STREAMS) BF16_COLUMNS(4, STREAMS) }
+    }
+    for (int64_t j = j0 + STREAMS * stride; j < j1; j++) {
+        switch (m) { BF16_COLUMNS(1, 1) BF16_COLUMNS(2, 1) BF16_COLUMNS(3, 1) BF16_COLUMNS(4, 1) }
+    }
+}
+
 #define BF16_TILE(R, C) \
     case R: \
         tile_bf16(x + r0 * k, w + j * k, k, R, C, v); \
@@ -171,6 +232,12 @@ int kvbaton_linear_dot_team(const void *x, const void *w, int w_elem_bytes, cons
     if (isa == ISA_GENERIC && (k % 8 || (w_elem_bytes != 2 && w_elem_bytes != 4))) return -1;
     if (isa == ISA_AVX512_BF16 && w_elem_bytes != 2) return -1;
     if (isa != ISA_GENERIC && isa != ISA_AVX512_BF16) return -1;
+    if (isa == ISA_AVX512_BF16 && m <= ROWS) {  /* a read of the weights: a share of the columns per thread */
+#pragma omp for schedule(static)
+        for (int t = 0; t < num_threads; t++)
+            streams_bf16(x, w, bias, y, m, n, k, n * t / num_threads, n * (t + 1) / num_threads, out_mode);
+        return 0;
+    }
     /* Column panels small enough to stay in L2 while every block of rows reads them, a multiple of
      * COLS columns; with few rows (the pass over the weights is the work) at least 4 per thread. */
     int64_t cols = PANEL_BYTES / (k * w_elem_bytes);

@@ -180,14 +180,16 @@ def test_dot_linear_matches_fp32(avx512_bf16, n, k, bias):
 
 @pytest.mark.parametrize("avx512_bf16, weight_dtype", [(False, torch.float32)] + [
     pytest.param(p.values[0], torch.bfloat16, id=f"{p.id}-bf16", marks=p.marks) for p in DOT_ISAS])
-def test_dot_linear_is_batch_invariant(avx512_bf16, weight_dtype):
-    """Each output is bit-identical whatever the rows around it, their number or the thread count."""
+@pytest.mark.parametrize("n, k", [(1000, 576), (103, 200)])  # K in whole 32-element chunks, and with a tail
+def test_dot_linear_is_batch_invariant(avx512_bf16, weight_dtype, n, k):
+    """Each output is bit-identical whatever the rows around it, their number or the thread count: up to 4 rows
+    read the weights column by column, more go through the register tiles, and both sum alike."""
     torch.manual_seed(7)
-    weight = torch.randn(1000, 576).to(weight_dtype)
-    x = torch.randn(40, 576).to(weight_dtype)
+    weight = torch.randn(n, k).to(weight_dtype)
+    x = torch.randn(40, k).to(weight_dtype)
     kernel = dot_linear(avx512_bf16, max_rows=None)
     full = kernel(x, weight, None)
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 11), slice(1, 33), slice(39, 40)):
+    for rows in (slice(0, 1), slice(5, 6), slice(10, 12), slice(3, 7), slice(3, 11), slice(1, 33), slice(39, 40)):
         assert torch.equal(kernel(x[rows], weight, None), full[rows])
     kernel.num_threads = 1
     assert torch.equal(kernel(x, weight, None), full)
