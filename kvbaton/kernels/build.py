@@ -46,7 +46,7 @@ SIGNATURES = {
     "kvbaton_decode_layers": (_i, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i64, _p]),
     "kvbaton_decode_layers_take": (_i, [_p, _p, _i64]),
     "kvbaton_argmax_rows": (None, [_p, _i64, _i64, _p, _i]),
-    "kvbaton_decode_layers_workspace": (_i64, [_p, _i64]),
+    "kvbaton_decode_layers_workspace": (_i64, [_p, _i64, _i64]),
 }
 
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")

@@ -45,8 +45,8 @@ void kvbaton_add_rms_norm_bf16_team(const uint16_t *x, const uint16_t *delta, ui
 void kvbaton_silu_mul_bf16_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
 void kvbaton_rope_bf16_team(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
                             const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim);
-int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks, int num_heads, int head_dim,
-                                               int num_threads, int allow_split);
+int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks, int block_size, int num_heads,
+                                               int head_dim, int num_threads, int allow_split);
 int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, const float *q, float *out,
                                         const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                                         int64_t max_blocks, int block_size, int num_kv_heads, int group,
@@ -110,7 +110,7 @@ typedef struct {
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
-static int64_t carve(const StackSpec *s, int64_t rows, char *base, Workspace *w) {
+static int64_t carve(const StackSpec *s, int64_t rows, int64_t max_blocks, char *base, Workspace *w) {
     const int64_t q = s->num_heads * s->head_dim, qkv = q + 2 * s->num_kv_heads * s->head_dim;
     const int64_t inter = s->intermediate, widest_in = max3(s->hidden, q, inter);
     const int64_t widest_out = max3(qkv, s->hidden, 2 * inter) > s->lm_head.n ? max3(qkv, s->hidden, 2 * inter)
@@ -129,16 +129,19 @@ static int64_t carve(const StackSpec *s, int64_t rows, char *base, Workspace *w)
     SLICE(attn32, float, q)
     SLICE(f32_in, float, widest_in)
     SLICE(f32_out, float, widest_out)
-    /* the attention's partial sums: at most ceil(4 threads / rows) partitions a row, whatever the context */
-    const int64_t scratch = kvbaton_paged_decode_attention_scratch(rows, (int64_t)1 << 40, (int)s->num_heads,
+    /* the attention's partial sums (a few partitions a row; without allow_split, one per 128 tokens of the
+     * widest context the block table holds) */
+    const int64_t scratch = kvbaton_paged_decode_attention_scratch(rows, max_blocks, s->block_size, (int)s->num_heads,
                                                                    (int)s->head_dim, s->num_threads, s->allow_split);
     SLICE(attn_scratch, float, (scratch + rows - 1) / rows)
 #undef SLICE
     return off;
 }
 
-/* Bytes of workspace a step of `rows` rows needs. */
-int64_t kvbaton_decode_layers_workspace(const StackSpec *s, int64_t rows) { return carve(s, rows, NULL, NULL); }
+/* Bytes of workspace a step of `rows` rows over a block table `max_blocks` wide needs. */
+int64_t kvbaton_decode_layers_workspace(const StackSpec *s, int64_t rows, int64_t max_blocks) {
+    return carve(s, rows, max_blocks, NULL, NULL);
+}
 
 /* ---- the pieces between the kernels ----
  * Every function from here on runs on the whole team of the step's one parallel region (every thread calls
@@ -281,8 +284,9 @@ int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int6
 
 /* x: [rows, hidden] bf16, the embeddings in, the last layer's output (before its residual add) out;
  * residual: [rows, hidden] bf16, written; positions, slots, context_lens: [rows] int64; block_table: [rows,
- * max_blocks] int64; workspace: kvbaton_decode_layers_workspace(rows) bytes, 64-byte aligned; logits: NULL (the
- * loop stops at the last layer), or [rows, vocab] fp32 for every row's logits (a stack with a head).
+ * max_blocks] int64; workspace: kvbaton_decode_layers_workspace(rows, max_blocks) bytes, 64-byte aligned;
+ * logits: NULL (the loop stops at the last layer), or [rows, vocab] fp32 for every row's logits (a stack with a
+ * head).
  * Returns 0; -1 for a step it does not take (checked before anything is written); -2 for a short workspace;
  * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step);
  * -4 for a position past RoPE's table, -5 for a slot past the pools (checked before anything is written). */
@@ -293,13 +297,13 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
     if (s->head_dim > 256 || s->head_dim % 2 || (s->kv_format != KV_BF16 && s->kv_format != KV_F32)
         || !kvbaton_decode_layers_take(s, layers, rows) || (logits && !s->lm_head.n))
         return -1;
-    if (workspace_bytes < kvbaton_decode_layers_workspace(s, rows)) return -2;
+    if (workspace_bytes < kvbaton_decode_layers_workspace(s, rows, max_blocks)) return -2;
     for (int64_t r = 0; r < rows; r++) {  /* the kernels index the table and the pools unchecked */
         if (positions[r] < 0 || positions[r] >= s->max_positions) return -4;
         if (slots[r] < 0 || slots[r] >= s->num_slots) return -5;
     }
     Workspace w;
-    carve(s, rows, (char *)workspace, &w);
+    carve(s, rows, max_blocks, (char *)workspace, &w);
     int status = 0;
     /* One parallel region for the whole step: no fork and join per kernel (team.h). */
 #pragma omp parallel num_threads(s->num_threads)

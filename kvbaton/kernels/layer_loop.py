@@ -91,7 +91,7 @@ class DecodeLayers:
         rows = x.shape[0]
         residual = torch.empty_like(x)
         out = torch.empty(rows, self.stack.lm_head.n, dtype=torch.float32) if logits else None
-        need = self._workspace_bytes(self._stack_ref, rows)
+        need = self._workspace_bytes(self._stack_ref, rows, block_table.shape[1])
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need + 64, dtype=torch.uint8)
         workspace = self._workspace.data_ptr()

@@ -492,23 +492,40 @@ static void attend(const Shape *s, const float *q, const int64_t *blocks, int64_
     else attend_range(s, q, blocks, start, end, acc_out, max_out, sum_out);
 }
 
+/* Without allow_split (batch-invariant serving) a context is still split, but at fixed token boundaries: every
+ * INVARIANT_PARTITION_TOKENS tokens, whatever the batch, its widest context or the thread count, and the parts
+ * merged in their order. So each query's sums still happen in one order of its own, and a batch-1 decode is not
+ * left to one thread (it was: 576 tokens of attention on one of 2 cores cost ~18% of a decode step). */
+#define INVARIANT_PARTITION_TOKENS 128
+
 /* Partitions per request: enough to give every thread ~4 work items, none shorter than MIN_PARTITION_BLOCKS
  * blocks (below that the merge costs more than it spreads), and a whole number of items per thread where that
- * leaves more than one (5 partitions on 2 threads took as long as 6); 1 without allow_split (each query's sums
- * in one order, batch or not). */
-static int64_t partitions(int64_t batch, int64_t max_blocks, int num_threads, int allow_split) {
+ * leaves more than one (5 partitions on 2 threads took as long as 6); without allow_split, one per
+ * INVARIANT_PARTITION_TOKENS of the widest context the block table holds (the parts past a query's context are
+ * empty and skipped). */
+static int64_t partitions(int64_t batch, int64_t max_blocks, int block_size, int num_threads, int allow_split) {
+    if (!allow_split) {
+        const int64_t parts = (max_blocks * block_size + INVARIANT_PARTITION_TOKENS - 1) / INVARIANT_PARTITION_TOKENS;
+        return parts > 1 ? parts : 1;
+    }
     int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;
     if (parts > max_blocks / MIN_PARTITION_BLOCKS) parts = max_blocks / MIN_PARTITION_BLOCKS;
-    if (parts < 1 || !allow_split) return 1;
+    if (parts < 1) return 1;
     for (int64_t fewer = parts; fewer > 1; fewer--)
         if (batch * fewer % num_threads == 0) return fewer;
     return parts;
 }
 
+/* Tokens per partition: whole blocks with allow_split, INVARIANT_PARTITION_TOKENS without. */
+static int64_t partition_tokens(int64_t parts, int64_t max_blocks, int block_size, int allow_split) {
+    if (!allow_split) return INVARIANT_PARTITION_TOKENS;
+    return ((max_blocks * block_size + parts - 1) / parts + block_size - 1) / block_size * block_size;
+}
+
 /* Floats of scratch kvbaton_paged_decode_attention_team needs for these arguments (0: none). */
-int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks, int num_heads, int head_dim,
-                                               int num_threads, int allow_split) {
-    const int64_t parts = partitions(batch, max_blocks, num_threads, allow_split);
+int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks, int block_size, int num_heads,
+                                               int head_dim, int num_threads, int allow_split) {
+    const int64_t parts = partitions(batch, max_blocks, block_size, num_threads, allow_split);
     return parts > 1 ? batch * parts * ((int64_t)num_heads * head_dim + 2 * num_heads) : 0;
 }
 
@@ -524,9 +541,8 @@ int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, con
         || !kv_format_ok(kv_format))
         return -1;
     const Shape shape = {kv_cache, kv_format, block_size, num_kv_heads, group, head_dim, scale};
-    const int64_t parts = partitions(batch, max_blocks, num_threads, allow_split);
-    const int64_t part_tokens = ((max_blocks * block_size + parts - 1) / parts + block_size - 1)
-                                / block_size * block_size;  /* whole blocks */
+    const int64_t parts = partitions(batch, max_blocks, block_size, num_threads, allow_split);
+    const int64_t part_tokens = partition_tokens(parts, max_blocks, block_size, allow_split);
     const int64_t hd = (int64_t)num_heads * head_dim;
     float *acc = scratch, *maxes = scratch + batch * parts * hd, *sums = maxes + batch * parts * num_heads;
 #pragma omp for schedule(dynamic, 1)
@@ -588,8 +604,8 @@ int kvbaton_paged_decode_attention(const void *kv_cache, int kv_format, const fl
                                    const int64_t *block_tables, const int64_t *context_lens, int64_t batch,
                                    int64_t max_blocks, int block_size, int num_kv_heads, int group,
                                    int head_dim, float scale, int num_threads, int allow_split) {
-    const int64_t floats = kvbaton_paged_decode_attention_scratch(batch, max_blocks, num_kv_heads * group, head_dim,
-                                                                  num_threads, allow_split);
+    const int64_t floats = kvbaton_paged_decode_attention_scratch(batch, max_blocks, block_size, num_kv_heads * group,
+                                                                  head_dim, num_threads, allow_split);
     float *scratch = floats ? malloc(sizeof(float) * floats) : NULL;
     if (floats && !scratch) return -2;
     const int rc = ON_TEAM(num_threads, kvbaton_paged_decode_attention_team(

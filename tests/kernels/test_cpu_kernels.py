@@ -88,6 +88,30 @@ def test_paged_decode_over_a_bf16_pool_is_fp32_exact(heads, kv_heads, head_dim, 
                                    rtol=1e-5)
 
 
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_without_split_is_batch_invariant(pool_dtype):
+    """split_context=False (deterministic serving): each query's output is bit-identical alone (a block table
+    just wide enough for it), beside wider and narrower contexts, and on 1 or 2 threads. Contexts past 128 tokens
+    are still split, at fixed token boundaries, so a batch-1 decode shares its attention across threads."""
+    torch.manual_seed(3)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [700, 5, 129, 128, 300]
+    nb = -(-max(lens) // block_size)
+    num_blocks = len(lens) * nb + 3
+    pool = torch.randn(num_blocks * block_size, 2, kv_heads, head_dim).to(pool_dtype)
+    table = torch.randperm(num_blocks)[: len(lens) * nb].view(len(lens), nb).contiguous()
+    q = torch.randn(len(lens), heads, head_dim).bfloat16().float()  # a bf16 model's: the AVX512-BF16 path
+    kernel = paged_decode_kernel(pool_dtype, heads, kv_heads, head_dim, split_context=False)
+    scale = head_dim**-0.5
+    full = kernel(q, pool, table, torch.tensor(lens), block_size, scale)
+    for b, n in enumerate(lens):
+        own = table[b: b + 1, : -(-n // block_size)].contiguous()
+        assert torch.equal(kernel(q[b: b + 1], pool, own, torch.tensor([n]), block_size, scale), full[b: b + 1])
+    kernel.num_threads = 1
+    assert torch.equal(kernel(q, pool, table, torch.tensor(lens), block_size, scale), full)
+    torch.testing.assert_close(full, reference_decode(q, pool.float(), table, lens, block_size), atol=1e-5, rtol=1e-5)
+
+
 def quantized_pool(storage, slots, kv_heads, head_dim):
     """Rows of every magnitude quantized as the engine writes them; for fp8, every fifth token's rows are
     random codes instead (every finite e4m3 value, subnormals included) with a scale of 1/448."""
