@@ -129,8 +129,8 @@ static int64_t carve(const StackSpec *s, int64_t rows, int64_t max_blocks, char 
     SLICE(attn32, float, q)
     SLICE(f32_in, float, widest_in)
     SLICE(f32_out, float, widest_out)
-    /* the attention's partial sums (a few partitions a row; without allow_split, one per 128 tokens of the
-     * widest context the block table holds) */
+    /* the attention's partial sums: a few partitions a row (without allow_split up to 8, as many as the widest
+     * context the block table holds may need) */
     const int64_t scratch = kvbaton_paged_decode_attention_scratch(rows, max_blocks, s->block_size, (int)s->num_heads,
                                                                    (int)s->head_dim, s->num_threads, s->allow_split);
     SLICE(attn_scratch, float, (scratch + rows - 1) / rows)

@@ -492,21 +492,31 @@ static void attend(const Shape *s, const float *q, const int64_t *blocks, int64_
     else attend_range(s, q, blocks, start, end, acc_out, max_out, sum_out);
 }
 
-/* Without allow_split (batch-invariant serving) a context is still split, but at fixed token boundaries: every
- * INVARIANT_PARTITION_TOKENS tokens, whatever the batch, its widest context or the thread count, and the parts
- * merged in their order. So each query's sums still happen in one order of its own, and a batch-1 decode is not
- * left to one thread (it was: 576 tokens of attention on one of 2 cores cost ~18% of a decode step). */
+/* Without allow_split (batch-invariant serving) a context is still split, but at boundaries that depend on that
+ * query's own context length only (not on the batch, its widest context or the thread count): into parts of a
+ * multiple of INVARIANT_PARTITION_TOKENS tokens, at most INVARIANT_MAX_PARTS of them, merged in their order. So
+ * each query's sums still happen in one order of its own, and a batch-1 decode is not left to one thread (it
+ * was: 576 tokens of attention on one of 2 cores cost ~18% of a decode step). The cap bounds the partial sums'
+ * scratch (a 2048-token per-token prefill chunk: ~40 MB, whatever the context). */
 #define INVARIANT_PARTITION_TOKENS 128
+#define INVARIANT_MAX_PARTS 8
+
+/* Without allow_split: tokens per part of a context of `context` tokens (the smallest multiple of
+ * INVARIANT_PARTITION_TOKENS that splits it into at most INVARIANT_MAX_PARTS parts). */
+static int64_t invariant_part_tokens(int64_t context) {
+    const int64_t per_part = (context + INVARIANT_MAX_PARTS - 1) / INVARIANT_MAX_PARTS;
+    const int64_t units = (per_part + INVARIANT_PARTITION_TOKENS - 1) / INVARIANT_PARTITION_TOKENS;
+    return (units > 1 ? units : 1) * INVARIANT_PARTITION_TOKENS;
+}
 
 /* Partitions per request: enough to give every thread ~4 work items, none shorter than MIN_PARTITION_BLOCKS
  * blocks (below that the merge costs more than it spreads), and a whole number of items per thread where that
- * leaves more than one (5 partitions on 2 threads took as long as 6); without allow_split, one per
- * INVARIANT_PARTITION_TOKENS of the widest context the block table holds (the parts past a query's context are
- * empty and skipped). */
+ * leaves more than one (5 partitions on 2 threads took as long as 6); without allow_split, as many as the widest
+ * context the block table holds could have (a query with fewer leaves the rest empty: they are skipped). */
 static int64_t partitions(int64_t batch, int64_t max_blocks, int block_size, int num_threads, int allow_split) {
-    if (!allow_split) {
+    if (!allow_split) {  /* a context of c tokens has at most min(cap, ceil(c / 128)) parts */
         const int64_t parts = (max_blocks * block_size + INVARIANT_PARTITION_TOKENS - 1) / INVARIANT_PARTITION_TOKENS;
-        return parts > 1 ? parts : 1;
+        return parts < 1 ? 1 : parts > INVARIANT_MAX_PARTS ? INVARIANT_MAX_PARTS : parts;
     }
     int64_t parts = (4 * (int64_t)num_threads + batch - 1) / batch;
     if (parts > max_blocks / MIN_PARTITION_BLOCKS) parts = max_blocks / MIN_PARTITION_BLOCKS;
@@ -516,9 +526,10 @@ static int64_t partitions(int64_t batch, int64_t max_blocks, int block_size, int
     return parts;
 }
 
-/* Tokens per partition: whole blocks with allow_split, INVARIANT_PARTITION_TOKENS without. */
-static int64_t partition_tokens(int64_t parts, int64_t max_blocks, int block_size, int allow_split) {
-    if (!allow_split) return INVARIANT_PARTITION_TOKENS;
+/* Tokens per partition of a context of `context` tokens: whole blocks, the same for every query, with
+ * allow_split; the query's own invariant_part_tokens without. */
+static int64_t partition_tokens(int64_t parts, int64_t max_blocks, int block_size, int allow_split, int64_t context) {
+    if (!allow_split) return invariant_part_tokens(context);
     return ((max_blocks * block_size + parts - 1) / parts + block_size - 1) / block_size * block_size;
 }
 
@@ -542,12 +553,12 @@ int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, con
         return -1;
     const Shape shape = {kv_cache, kv_format, block_size, num_kv_heads, group, head_dim, scale};
     const int64_t parts = partitions(batch, max_blocks, block_size, num_threads, allow_split);
-    const int64_t part_tokens = partition_tokens(parts, max_blocks, block_size, allow_split);
     const int64_t hd = (int64_t)num_heads * head_dim;
     float *acc = scratch, *maxes = scratch + batch * parts * hd, *sums = maxes + batch * parts * num_heads;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < batch * parts; item++) {
         const int64_t b = item / parts, p = item % parts;
+        const int64_t part_tokens = partition_tokens(parts, max_blocks, block_size, allow_split, context_lens[b]);
         const int64_t start = p * part_tokens;
         int64_t end = start + part_tokens;
         if (end > context_lens[b]) end = context_lens[b];

@@ -92,10 +92,11 @@ def test_paged_decode_over_a_bf16_pool_is_fp32_exact(heads, kv_heads, head_dim, 
 def test_paged_decode_without_split_is_batch_invariant(pool_dtype):
     """split_context=False (deterministic serving): each query's output is bit-identical alone (a block table
     just wide enough for it), beside wider and narrower contexts, and on 1 or 2 threads. Contexts past 128 tokens
-    are still split, at fixed token boundaries, so a batch-1 decode shares its attention across threads."""
+    are still split, at boundaries set by their own length (parts of 128, 256, 384... tokens, at most 8), so a
+    batch-1 decode shares its attention across threads."""
     torch.manual_seed(3)
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
-    lens = [700, 5, 129, 128, 300]
+    lens = [1100, 5, 129, 128, 1000, 300, 2100]  # 1000: 8 parts of 128; 1100: 5 of 256; 2100: 6 of 384
     nb = -(-max(lens) // block_size)
     num_blocks = len(lens) * nb + 3
     pool = torch.randn(num_blocks * block_size, 2, kv_heads, head_dim).to(pool_dtype)
