@@ -42,6 +42,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--decode-burst", type=int, default=SchedulerConfig.decode_burst, metavar="N",
+                   help="greedy decodes with nothing else to sample by run up to N steps per scheduled step while "
+                        "no request waits (tokens reach clients N at a time; 1: every step scheduled; default "
+                        "%(default)s)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slower start, faster steps)")
     p.add_argument("--no-kernels", action="store_true", help="PyTorch ops only, without kvbaton's C CPU kernels")
@@ -110,7 +114,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         deterministic=args.deterministic,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
                           enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  decode_burst=args.decode_burst),
         kv_store=kv_store_config_from_args(args), step_trace_dir=step_trace_dir(args.step_trace),
     )
 

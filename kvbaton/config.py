@@ -348,6 +348,9 @@ class KVStoreConfig:
         return tuple(t for t in STORE_TIERS if t in self.tiers)
 
 
+MAX_DECODE_BURST = 64  # a burst holds its requests' new arrivals back: bounded
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Per-step limits of continuous batching."""
@@ -356,10 +359,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # >0: cap one request's prefill chunk per step
+    # Decode steps run back to back in one scheduled step when every running request decodes greedily with
+    # nothing that needs Python per token, and none waits (sched/burst.py); 1: one token per step
+    decode_burst: int = 4
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if not 1 <= self.decode_burst <= MAX_DECODE_BURST:
+            raise ConfigError(f"decode_burst must be in [1, {MAX_DECODE_BURST}], got {self.decode_burst}")
 
 
 @dataclass(frozen=True, kw_only=True)

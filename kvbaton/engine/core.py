@@ -8,6 +8,7 @@ points (`kvbaton.platform.process`): a core is one object, not the process.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -155,7 +156,10 @@ class EngineCore:
         self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching,
                                        on_evict=self.store.save_evicted if write_back and self.store else None)
         self._write_through = self.store is not None and not write_back
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache, max_model_len, self.store,
+        scheduler_config = config.scheduler
+        if self.expert_parallel is not None:  # every rank runs each step's MoE exchange: steps stay in lockstep
+            scheduler_config = dataclasses.replace(scheduler_config, decode_burst=1)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache, max_model_len, self.store,
                                    background_loads=config.kv_store.background_loads)
         self.handoff, self.runner = self._build_runner(model, pools, kv_transfer)
         self._consecutive_step_failures = 0
@@ -314,7 +318,8 @@ class EngineCore:
         new_blocks = self.kv_cache.drain_new_blocks()
         if self.store is not None:
             self._store_step(sched, time.perf_counter() - start, new_blocks)
-        shape, seconds = StepShape.of(sched.scheduled), time.perf_counter() - scheduled_at
+        # NOTE: a decode burst ran `decode_steps` steps of this shape: the cost models and stats price one
+        shape, seconds = StepShape.of(sched.scheduled), (time.perf_counter() - scheduled_at) / sched.decode_steps
         if shape.decode_seqs:
             self._decode_steps = self._decode_steps.add(mixed=shape.prefill_tokens > 0, seconds=seconds)
         if self.step_trace is not None:  # timed as `sim profile` times a step: from scheduling on

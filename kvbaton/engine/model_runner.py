@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbaton.config import ConfigError
-from kvbaton.engine.sampler import SamplingRow, sample, token_logprobs
+from kvbaton.engine.sampler import SamplingRow, greedy_tokens, sample, token_logprobs
 from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_kernel, paged_prefill_kernel
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
@@ -86,6 +86,8 @@ class ModelRunner:
             self.grammars.drop(sched.finished_request_ids)
         if sched.is_empty:
             return ModelOutput({})
+        if sched.decode_steps > 1:
+            return self._decode_burst(sched.scheduled, sched.decode_steps)
         inputs = self.prepare_inputs(sched.scheduled)
         meta = inputs.meta
         outgoing, failed = self._begin_transfers(sched.scheduled)
@@ -103,7 +105,7 @@ class ModelRunner:
         tokens, logprobs = sample(logits, rows, self._grammar_mask(inputs.sampled),
                                   fallback_token=self.eos_token_ids[0] if self.eos_token_ids else 0)
         return ModelOutput(
-            {s.request_id: t for s, t in zip(inputs.sampled, tokens)},
+            {s.request_id: [t] for s, t in zip(inputs.sampled, tokens)},
             {s.request_id: lp for s, lp in zip(inputs.sampled, logprobs) if lp is not None},
             failed, prompt_logprobs,
         )
@@ -173,12 +175,38 @@ class ModelRunner:
         indices = ends[sample_rows] if not extra else torch.cat([ends[sample_rows], torch.tensor(extra)])
         return StepInputs(input_ids, positions, meta, indices, [ordered[i] for i in sample_rows], prompt_rows)
 
-    def _decode_inputs(self, decodes: list[ScheduledRequest]) -> StepInputs:
+    def _decode_burst(self, decodes: list[ScheduledRequest], steps: int) -> ModelOutput:
+        """`steps` decode steps of the same requests back to back, each step's argmax the next one's input
+        (sched/burst.py: every request decodes greedily with nothing else to sample by). The scheduler took their
+        slots."""
+        tokens = [s.token_ids[0] for s in decodes]
+        loop = self.model.layer_loop
+        if loop is not None and loop.bursts(len(decodes)):  # the whole burst in one C call (over this runner's pools)
+            bs = self.block_size
+            last = [s.start_position + steps - 1 for s in decodes]
+            tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, last)]
+            width = max(len(t) for t in tables)
+            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            out = loop.burst(torch.tensor(tokens, dtype=torch.long),
+                             torch.tensor([s.start_position for s in decodes], dtype=torch.long), table, steps)
+            return ModelOutput({s.request_id: row for s, row in zip(decodes, out.tolist())})
+        sampled: list[list[int]] = [[] for _ in decodes]
+        for step in range(steps):
+            inputs = self._decode_inputs(decodes, step, tokens)
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                inputs.logits_indices)
+            tokens = greedy_tokens(logits)
+            for row, token in zip(sampled, tokens):
+                row.append(token)
+        return ModelOutput({s.request_id: out for s, out in zip(decodes, sampled)})
+
+    def _decode_inputs(self, decodes: list[ScheduledRequest], ahead: int = 0,
+                       token_ids: list[int] | None = None) -> StepInputs:
         """A step of decodes only (the common one): its tensors built from plain lists, one `torch.tensor` each
         (~20 us for one request, where the general path's per-request tensor ops took ~100 us). Same values as
-        the general path."""
+        the general path. A burst's later steps are `ahead` positions further, with their own `token_ids`."""
         bs = self.block_size
-        positions = [s.start_position for s in decodes]
+        positions = [s.start_position + ahead for s in decodes]
         tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, positions)]
         slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
         width = max(len(t) for t in tables)
@@ -187,8 +215,10 @@ class ModelRunner:
         mask = None if self.decode_kernel is not None else self._decode_mask(context_lens, width)
         meta = AttentionMetadata(bs, torch.tensor(slots, dtype=torch.long), len(decodes), table, context_lens, mask,
                                  (), self.decode_kernel, None)
-        return StepInputs(torch.tensor([s.token_ids[0] for s in decodes], dtype=torch.long),
-                          torch.tensor(positions, dtype=torch.long), meta, torch.arange(len(decodes)), decodes)
+        if token_ids is None:
+            token_ids = [s.token_ids[0] for s in decodes]
+        return StepInputs(torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
+                          torch.arange(len(decodes)), decodes)
 
     def _decode_mask(self, context_lens: torch.Tensor, max_blocks: int) -> torch.Tensor:
         """The PyTorch decode path's additive mask: [B, 1, 1, nb * block_size], -inf past each context."""

@@ -210,7 +210,8 @@ def engine_config(args: argparse.Namespace, grid: ProfileGrid) -> EngineConfig:
         compute_path=args.compute_path,
         cache=CacheConfig(kv_cache_memory_gb=args.kv_cache_memory_gb),
         scheduler=SchedulerConfig(max_num_seqs=max(p.decode_seqs for p in points) + 1,
-                                  max_num_batched_tokens=max(p.prefill_tokens + p.decode_seqs for p in points)))
+                                  max_num_batched_tokens=max(p.prefill_tokens + p.decode_seqs for p in points),
+                                  decode_burst=1))  # one step of each shape at a time
 
 
 def profile(engine: LLMEngine, grid: ProfileGrid, fit: ProfileFit,

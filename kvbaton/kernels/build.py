@@ -45,6 +45,7 @@ SIGNATURES = {
     "kvbaton_rope_bf16": (None, [_p, _i64, _p, _p, _p, _i64, _i64, _i64, _i]),
     "kvbaton_decode_layers": (_i, [_p, _p, _p, _p, _p, _p, _p, _i64, _p, _i64, _p, _i64, _p]),
     "kvbaton_decode_layers_take": (_i, [_p, _p, _i64]),
+    "kvbaton_decode_burst": (_i, [_p, _p, _p, _i64, _p, _p, _p, _i64, _i64, _i64, _p, _p, _p, _p, _p, _i64]),
     "kvbaton_argmax_rows": (None, [_p, _i64, _i64, _p, _i]),
     "kvbaton_decode_layers_workspace": (_i64, [_p, _i64, _i64]),
 }

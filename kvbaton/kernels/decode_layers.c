@@ -26,6 +26,7 @@
  * with their own context lengths (the per-row block table and lengths already allow it).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vec8.h"
@@ -52,6 +53,8 @@ int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, con
                                         int64_t max_blocks, int block_size, int num_kv_heads, int group,
                                         int head_dim, float scale, int num_threads, int allow_split,
                                         float *scratch);
+
+void kvbaton_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
 
 enum { ISA_GENERIC = 0 };                              /* linear_dot.c's */
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_SILU_MUL = 2 };  /* linear_dot.c's and gemm_packed.c's */
@@ -318,4 +321,56 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
         status = rc ? -3 : 0;
     }
     return status;
+}
+
+/* A decode burst (kvbaton.sched.burst): `steps` decode steps of the same rows back to back, step j computing
+ * each row's token at position positions[r] + j, whose argmax (as kvbaton_argmax_rows picks it: torch.argmax's
+ * choice) is the token of step j + 1. Each step is kvbaton_decode_layers with the head, on the inputs the
+ * Python runner would build for it, so a burst gives the bits of as many single steps.
+ * embed: [embed_rows, hidden] bf16, the embedding table; tokens: [rows] int64, the first step's tokens;
+ * positions: [rows] int64, the first step's; block_table: [rows, max_blocks] int64, covering every step's
+ * position; out: [rows, steps] int64, each step's argmax; x, residual: [rows, hidden] bf16 and logits: [rows,
+ * vocab] fp32, scratch (the last step's logits are left in `logits`); workspace as kvbaton_decode_layers'.
+ * Returns kvbaton_decode_layers' codes; -4 / -5 also for any step's position past RoPE's table, the block table
+ * (or a negative block id) or the pools, -6 for a first token past the embedding table: all checked before
+ * anything is written; -6 also for a sampled token past it (a head wider than the embedding table: that step's
+ * earlier tokens are in `out`); -2 when out of memory. */
+int kvbaton_decode_burst(const StackSpec *s, const LayerSpec *layers, const uint16_t *embed, int64_t embed_rows,
+                         const int64_t *tokens, const int64_t *positions, const int64_t *block_table,
+                         int64_t max_blocks, int64_t rows, int64_t steps, int64_t *out, uint16_t *x,
+                         uint16_t *residual, float *logits, void *workspace, int64_t workspace_bytes) {
+    if (rows < 1 || steps < 1 || !s->lm_head.n) return -1;
+    int64_t *step_tokens = malloc(sizeof(int64_t) * 4 * (size_t)rows);
+    if (!step_tokens) return -2;
+    int64_t *step_positions = step_tokens + rows, *slots = step_positions + rows, *lens = slots + rows;
+    const int64_t bs = s->block_size, e = s->hidden, vocab = s->lm_head.n;
+    memcpy(step_tokens, tokens, sizeof(int64_t) * (size_t)rows);
+    int rc = 0;
+    for (int64_t r = 0; r < rows && !rc; r++) {  /* every step's bounds, before any step writes the pools */
+        if (tokens[r] < 0 || tokens[r] >= embed_rows) rc = -6;
+        for (int64_t p = positions[r]; p < positions[r] + steps && !rc; p++) {
+            if (p < 0 || p >= s->max_positions) rc = -4;
+            else if (p / bs >= max_blocks || block_table[r * max_blocks + p / bs] < 0
+                     || block_table[r * max_blocks + p / bs] * bs + p % bs >= s->num_slots)
+                rc = -5;
+        }
+    }
+    for (int64_t j = 0; j < steps && !rc; j++) {
+        for (int64_t r = 0; r < rows && !rc; r++) {
+            const int64_t p = positions[r] + j, token = step_tokens[r];
+            if (token < 0 || token >= embed_rows) { rc = -6; break; }
+            step_positions[r] = p;
+            slots[r] = block_table[r * max_blocks + p / bs] * bs + p % bs;
+            lens[r] = p + 1;
+            memcpy(x + r * e, embed + token * e, sizeof(uint16_t) * (size_t)e);
+        }
+        if (rc) break;
+        rc = kvbaton_decode_layers(s, layers, x, residual, step_positions, slots, block_table, max_blocks, lens,
+                                   rows, workspace, workspace_bytes, logits);
+        if (rc) break;
+        kvbaton_argmax_rows(logits, rows, vocab, step_tokens, s->num_threads);
+        for (int64_t r = 0; r < rows; r++) out[r * steps + j] = step_tokens[r];
+    }
+    free(step_tokens);
+    return rc;
 }

@@ -63,6 +63,7 @@ class DecodeLayers:
 
     def __init__(self, lib: ctypes.CDLL, stack: StackSpec, layers: list[LayerSpec], keep: list[torch.Tensor]) -> None:
         self._run, self._take = lib.kvbaton_decode_layers, lib.kvbaton_decode_layers_take
+        self._burst = lib.kvbaton_decode_burst
         self._workspace_bytes = lib.kvbaton_decode_layers_workspace
         self.stack = stack
         self.layers = (LayerSpec * len(layers))(*layers)
@@ -91,14 +92,10 @@ class DecodeLayers:
         rows = x.shape[0]
         residual = torch.empty_like(x)
         out = torch.empty(rows, self.stack.lm_head.n, dtype=torch.float32) if logits else None
-        need = self._workspace_bytes(self._stack_ref, rows, block_table.shape[1])
-        if self._workspace.numel() < need:
-            self._workspace = torch.empty(need + 64, dtype=torch.uint8)
-        workspace = self._workspace.data_ptr()
-        workspace += -workspace % 64
+        workspace, size = self._workspace_for(rows, block_table.shape[1])
         rc = self._run(self._stack_ref, self._layers_ref, x.data_ptr(), residual.data_ptr(), positions.data_ptr(),
                        slots.data_ptr(), block_table.data_ptr(), block_table.shape[1], context_lens.data_ptr(), rows,
-                       workspace, self._workspace.numel() - 64, None if out is None else out.data_ptr())
+                       workspace, size, None if out is None else out.data_ptr())
         if rc == -4:
             raise IndexError(f"a position of {positions.tolist()} is past the RoPE table ({self.stack.max_positions})")
         if rc == -5:
@@ -106,6 +103,40 @@ class DecodeLayers:
         if rc != 0:
             raise RuntimeError(f"the C layer loop failed ({rc}) on a step of {rows} rows")
         return residual if out is None else out
+
+    def burst(self, embed: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+              steps: int) -> torch.Tensor:
+        """A decode burst in one call (a stack with a head): `steps` decode steps of the same rows, each row's
+        argmax the next step's token. embed: [V, E] bf16, the embedding table; tokens, positions: [T] int64, the
+        first step's; block_table: [T, nb] int64 covering every step's position -> [T, steps] int64 tokens."""
+        rows, hidden = tokens.shape[0], self.stack.hidden
+        out = torch.empty(rows, steps, dtype=torch.long)
+        x = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        residual = torch.empty_like(x)
+        logits = torch.empty(rows, self.stack.lm_head.n, dtype=torch.float32)
+        workspace, size = self._workspace_for(rows, block_table.shape[1])
+        rc = self._burst(self._stack_ref, self._layers_ref, embed.data_ptr(), embed.shape[0], tokens.data_ptr(),
+                         positions.data_ptr(), block_table.data_ptr(), block_table.shape[1], rows, steps,
+                         out.data_ptr(), x.data_ptr(), residual.data_ptr(), logits.data_ptr(), workspace, size)
+        if rc == -4:
+            raise IndexError(f"a burst's positions from {positions.tolist()} pass the RoPE table "
+                             f"({self.stack.max_positions})")
+        if rc == -5:
+            raise IndexError(f"a burst's positions from {positions.tolist()} pass its block table or the KV pool "
+                             f"({self.stack.num_slots} slots)")
+        if rc == -6:
+            raise IndexError(f"a token of {tokens.tolist()} (or one the burst sampled) is past the embedding table")
+        if rc != 0:
+            raise RuntimeError(f"the C layer loop failed ({rc}) in a burst of {steps} steps of {rows} rows")
+        return out
+
+    def _workspace_for(self, rows: int, max_blocks: int) -> tuple[int, int]:
+        """(64-byte aligned address, bytes) of a workspace for a step of `rows` rows, grown as needed."""
+        need = self._workspace_bytes(self._stack_ref, rows, max_blocks)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need + 64, dtype=torch.uint8)
+        workspace = self._workspace.data_ptr()
+        return workspace + (-workspace % 64), self._workspace.numel() - 64
 
 
 def linear_spec(choices: list[KernelChoice], n: int, k: int, keep: list[torch.Tensor]) -> LinearSpec:

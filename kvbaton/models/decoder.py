@@ -29,6 +29,11 @@ class LayerLoop(Protocol):
 
     def logits(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor: ...
 
+    def bursts(self, rows: int) -> bool: ...  # whether `burst` takes a decode burst of this many rows
+
+    def burst(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+              steps: int) -> torch.Tensor: ...  # a decode burst's tokens [T, steps] (kvbaton.sched.burst)
+
 
 class DecoderStack(nn.Module):
     """`forward` takes a step's flattened tokens and returns logits only where asked. Each layer is called as

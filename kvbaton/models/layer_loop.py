@@ -47,10 +47,12 @@ LAYER_LOOP_ENV = "KVBATON_LAYER_LOOP"  # 0: every step through the Python loop (
 class LayerLoop:
     """The C loop over one model's layers and KV pools; `runs` says whether it takes a step."""
 
-    def __init__(self, layers: DecodeLayers, kv_caches: list[torch.Tensor], decode_kernel: PagedDecodeKernel) -> None:
+    def __init__(self, layers: DecodeLayers, kv_caches: list[torch.Tensor], decode_kernel: PagedDecodeKernel,
+                 embed: torch.Tensor) -> None:
         self.layers = layers
         self.kv_caches = kv_caches
         self.decode_kernel = decode_kernel
+        self.embed = embed  # [V, E] bf16: a burst looks each step's tokens up in C
 
     def runs(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor], rows: int) -> bool:
         # NOTE: after_layer (layer-wise KV sending) needs Python between layers; a prefill worker's steps have it
@@ -63,6 +65,17 @@ class LayerLoop:
     def has_head(self) -> bool:
         """Whether `logits` runs the final norm and the lm_head in the same call."""
         return self.layers.has_head
+
+    def bursts(self, rows: int) -> bool:
+        """Whether `burst` takes a decode burst of `rows` rows (a stack with a head, and a kernel for each linear)."""
+        return self.layers.has_head and self.layers.takes(rows)
+
+    def burst(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+              steps: int) -> torch.Tensor:
+        """`steps` greedy decode steps in one C call: tokens, positions [T] of the first step, block_table [T, nb]
+        covering the last -> [T, steps] each step's argmax (the bits of as many `logits` calls, each followed by
+        the sampler's argmax)."""
+        return self.layers.burst(self.embed, tokens, positions, block_table.contiguous(), steps)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: the step's embeddings [T, E], overwritten by the last layer's output -> the residual stream."""
@@ -108,7 +121,7 @@ def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], bloc
     if loop is None:
         return None
     log.info("decode steps run the C layer loop (%d layers)", len(layers))
-    return LayerLoop(loop, kv_caches, decode_kernel)
+    return LayerLoop(loop, kv_caches, decode_kernel, model.embed_tokens.weight)
 
 
 def _add_head(stack: StackSpec, model: LlamaForCausalLM, keep: list[torch.Tensor]) -> None:

@@ -79,6 +79,9 @@ class SchedulerOutput:
     finished_request_ids: frozenset[str]  # done since the last step: the runner drops their state
     num_scheduled_tokens: int
     preempted_request_ids: frozenset[str] = frozenset()
+    # >1: a decode burst (sched/burst.py): every request decodes this many tokens, each step's argmax the next
+    # step's input; `scheduled` describes the first step
+    decode_steps: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -105,7 +108,9 @@ class TransferFailure:
 
 @dataclass(frozen=True)
 class ModelOutput:
-    sampled_token_ids: dict[str, int]
+    # each sampling request's new tokens, in order: one, or a decode burst's (the scheduler takes them up to a
+    # stop)
+    sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # prefill role: hand-offs the runner could not begin this step (their requests' blocks are freed)
     failed_transfers: list[TransferFailure] = field(default_factory=list)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvbaton.config import SchedulerConfig
 from kvbaton.kv.store.base import LoadPlan, PrefixStore
+from kvbaton.sched.burst import burst_steps
 from kvbaton.sched.kv_cache_manager import KVCacheManager
 from kvbaton.sched.outputs import EngineCoreOutput, ModelOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from kvbaton.sched.request import Request, RequestStatus
@@ -162,7 +163,8 @@ class Scheduler:
             budget = self.config.max_num_batched_tokens - sum(chosen.values())
         if not preempted:
             budget = self._admit_waiting(budget, chosen)
-        return self._build_output(chosen, preempted)
+        steps = 1 if preempted or self.waiting or self.loading else self._burst(chosen)
+        return self._build_output(chosen, preempted, steps)
 
     def update_from_output(self, sched: SchedulerOutput, output: ModelOutput) -> list[EngineCoreOutput]:
         results = []
@@ -173,19 +175,18 @@ class Scheduler:
             req.num_computed_tokens += item.num_tokens
             if item.request_id in output.prompt_logprobs:
                 self._keep_prompt_logprobs(req, *output.prompt_logprobs[item.request_id])
-            token = output.sampled_token_ids.get(item.request_id)
-            if token is None:
+            tokens = output.sampled_token_ids.get(item.request_id)
+            if not tokens:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.output_token_ids.append(token)
-            status, stop_reason = self._check_stop(req, token)
+            new_tokens, status, stop_reason = self._take_tokens(req, tokens)
             logprobs = [output.logprobs[item.request_id]] if item.request_id in output.logprobs else []
             if status is not None:
                 req.stop_reason = stop_reason
                 self.running.remove(req)
                 self._finish(req, status)
-            first = req.num_output_tokens == 1 and req.sampling_params.prompt_logprobs is not None
+            first = req.num_output_tokens == len(new_tokens) and req.sampling_params.prompt_logprobs is not None
             results.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[token], finish_reason=req.finish_reason,
+                request_id=req.request_id, new_token_ids=new_tokens, finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason, logprobs=logprobs, num_cached_tokens=max(req.num_cached_tokens, 0),
                 first_scheduled_time=req.first_scheduled_time, prompt_logprobs=req.prompt_logprobs if first else None))
         for failure in output.failed_transfers:  # finished as `transfer` above: nothing will read the blocks
@@ -193,6 +194,31 @@ class Scheduler:
         return results
 
     # ---- internals -------------------------------------------------------------------------
+
+    def _take_tokens(self, req: Request, tokens: list[int]) -> tuple[list[int], RequestStatus | None, int | None]:
+        """Append a step's sampled tokens to `req` one at a time, as that many steps would have (a burst's later
+        tokens each follow one more computed token); the first that stops it is its last. Returns (the tokens
+        taken, the finishing status or None, the stop reason)."""
+        for i, token in enumerate(tokens):
+            if i:
+                req.num_computed_tokens += 1
+            req.output_token_ids.append(token)
+            status, stop_reason = self._check_stop(req, token)
+            if status is not None:
+                return list(tokens[: i + 1]), status, stop_reason
+        return list(tokens), None, None
+
+    def _burst(self, chosen: dict[str, int]) -> int:
+        """Decode steps this batch runs back to back (sched/burst.py), with slots taken for all of them; 1 when
+        it cannot burst, or the pool has no room for the burst's blocks (no one is preempted for them)."""
+        if self.config.decode_burst <= 1 or not chosen:
+            return 1
+        reqs = [self.requests[request_id] for request_id in chosen]
+        steps = burst_steps(self.config.decode_burst, reqs, list(chosen.values()),
+                            min(self.max_model_len, self.kv_cache.capacity_tokens))
+        if steps > 1 and all(self.kv_cache.allocate_slots(req, steps) for req in reqs):
+            return steps
+        return 1
 
     @staticmethod
     def _keep_prompt_logprobs(req: Request, start: int, entries: list[TokenLogprobs]) -> None:
@@ -338,7 +364,7 @@ class Scheduler:
         self.num_preemptions += 1
         insort(self.waiting, req, key=_order)
 
-    def _build_output(self, chosen: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+    def _build_output(self, chosen: dict[str, int], preempted: list[Request], decode_steps: int) -> SchedulerOutput:
         scheduled = []
         for request_id, num_new in chosen.items():
             req = self.requests[request_id]
@@ -357,7 +383,7 @@ class Scheduler:
             ))
         finished, self._finished_ids = frozenset(self._finished_ids), set()
         return SchedulerOutput(scheduled, finished, sum(chosen.values()),
-                               frozenset(r.request_id for r in preempted))
+                               frozenset(r.request_id for r in preempted), decode_steps)
 
     def _check_stop(self, req: Request, token: int) -> tuple[RequestStatus | None, int | None]:
         params = req.sampling_params

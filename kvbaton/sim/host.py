@@ -121,8 +121,10 @@ class ServedSteps:
     def ratios_for(self, shape: StepShape) -> tuple[float, ...]:
         return self.prompt_ratios.of(shape.prefill_tokens) if shape.prefill_tokens else self.decode_ratios
 
-    def seconds(self, profiled_s: float, shape: StepShape, rng: random.Random) -> float:
-        return profiled_s * draw(self.ratios_for(shape), rng) + self.gap_s
+    def seconds(self, profiled_s: float, shape: StepShape, rng: random.Random, steps: int = 1) -> float:
+        """A scheduled step of `steps` model steps of this shape (a decode burst: the gap once, as the engine's
+        Python between steps)."""
+        return sum(profiled_s * draw(self.ratios_for(shape), rng) for _ in range(steps)) + self.gap_s
 
     def describe(self) -> str:
         return (f"prompt steps {self.prompt_ratios.describe(lambda r: f'x{r:.2f}')}; decode-only "

@@ -125,7 +125,8 @@ class SimInstance:
         if not sched.scheduled:
             return None
         shape = StepShape.of(sched.scheduled)
-        seconds = self.served.seconds(self.spec.latency.step_seconds(shape), shape, self.rng)
+        # a decode burst (kvbaton.sched.burst) is that many steps of one shape, back to back
+        seconds = self.served.seconds(self.spec.latency.step_seconds(shape), shape, self.rng, sched.decode_steps)
         self.step = StepStarted(sched, shape, seconds)
         return self.step
 
@@ -133,14 +134,16 @@ class SimInstance:
         """The step in flight has run: its sampled tokens go back to the scheduler."""
         step, self.step = self.step, None
         assert step is not None, f"{self.name}: no step is running"
-        sampled = {item.request_id: PLACEHOLDER_TOKEN for item in step.sched.scheduled if item.sample}
+        sampled = {item.request_id: [PLACEHOLDER_TOKEN] * step.sched.decode_steps
+                   for item in step.sched.scheduled if item.sample}
         usage = self.kv_cache.usage()
-        self.num_steps += 1
+        steps = step.sched.decode_steps
+        self.num_steps += steps
         self.busy_s += step.seconds
         self.kv_usage_s += usage * step.seconds
         self.peak_kv_usage = max(self.peak_kv_usage, usage)
-        self.num_tokens += step.shape.num_tokens
+        self.num_tokens += step.shape.num_tokens * steps
         if step.shape.decode_seqs:
-            self.num_decode_steps += 1
-            self.num_decode_seqs += step.shape.decode_seqs
+            self.num_decode_steps += steps
+            self.num_decode_seqs += step.shape.decode_seqs * steps
         return self.scheduler.update_from_output(step.sched, ModelOutput(sampled))

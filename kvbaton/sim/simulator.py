@@ -260,7 +260,8 @@ class _Simulation:
         flight = self.flights[out.request_id]
         if flight.first_token_s is None:
             self.admission.started(flight.id)
-        flight.token(self.now)
+        for _ in out.new_token_ids:  # a decode burst's tokens reach the client together
+            flight.token(self.now)
         if out.finish_reason == FinishReason.TRANSFER:
             self.start_transfer(flight, step_s)
         elif out.finish_reason is not None:

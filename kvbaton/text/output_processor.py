@@ -71,12 +71,15 @@ class OutputProcessor:
         finish_reason = None if output.finish_reason is None else output.finish_reason.value
         stop_reason = output.stop_reason
         entries: Sequence[TokenLogprobs | None] = output.logprobs or [None] * len(output.new_token_ids)
+        cut = False  # a stop string ended the request before this output's last token
         for token, logprobs in zip(output.new_token_ids, entries):
+            if state.stop_string is not None:
+                cut = True  # a decode burst's tokens past the stop string: single steps would have stopped there
+                break
             state.token_ids.append(token)
             self._append_logprobs(state, logprobs)
-            if state.stop_string is None:
-                self._append_text(state, token)
-        if state.stop_string is not None and finish_reason in (None, FinishReason.LENGTH.value):
+            self._append_text(state, token)
+        if state.stop_string is not None and (cut or finish_reason in (None, FinishReason.LENGTH.value)):
             finish_reason, stop_reason = FinishReason.STOP.value, state.stop_string
         return self._build(state, finish_reason, stop_reason), state.stop_string
 

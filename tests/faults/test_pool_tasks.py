@@ -26,7 +26,7 @@ def test_a_dead_event_loop_takes_the_pool_down_loudly(tiny_llama):
             pid = router.pool.workers["kvbaton-both-0"].pid
 
             async def break_the_pool(request_id: str, n: int) -> None:
-                if n == 3:
+                if n >= 3 and not router.pool._events.closed:  # tokens come a decode burst at a time
                     router.pool._events.close(linger=0)  # the event loop's recv fails under it
 
             try:

@@ -81,6 +81,10 @@ def test_text_prompt_and_stop_string(llm):
     completion = out.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == "Paris"
     assert "Paris" not in completion.text and completion.text
+    # a decode burst computed past the stop string: its tokens end at the one that completed it
+    tokenizer = llm.get_tokenizer()
+    assert "Paris" in tokenizer.decode(completion.token_ids)
+    assert "Paris" not in tokenizer.decode(completion.token_ids[:-1])
     llm.engine.check_integrity()
 
 

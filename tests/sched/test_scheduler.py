@@ -49,16 +49,22 @@ class TokenModel:
         for item in sched.scheduled:
             if item.sample:
                 end = item.start_position + item.num_tokens
-                context = [self.store[item.block_ids[p // BS]][p % BS] for p in range(end)]
-                sampled[item.request_id] = self.predict(item.request_id, context)
+                tokens: list[int] = []
+                for _ in range(sched.decode_steps):  # a burst: each step writes the token the one before sampled
+                    if tokens:
+                        self.store[item.block_ids[end // BS]][end % BS] = tokens[-1]
+                        end += 1
+                    context = [self.store[item.block_ids[p // BS]][p % BS] for p in range(end)]
+                    tokens.append(self.predict(item.request_id, context))
+                sampled[item.request_id] = tokens
         return ModelOutput(sampled)
 
 
 class Harness:
     def __init__(self, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16,
                  threshold: int = 0, max_model_len: int = 1024, caching: bool = True,
-                 predict: Predict = next_token) -> None:
-        config = SchedulerConfig(max_num_seqs, budget, True, threshold)
+                 predict: Predict = next_token, decode_burst: int = 1) -> None:
+        config = SchedulerConfig(max_num_seqs, budget, True, threshold, decode_burst)
         self.sched = Scheduler(config, KVCacheManager(num_blocks, BS, caching), max_model_len)
         self.model = TokenModel(num_blocks, predict)
         self.outputs: dict[str, list[int]] = {}
@@ -217,28 +223,54 @@ def scripted(tokens: list[int], prompt_len: int) -> Predict:
     ({"min_tokens": 4, "stop_token_ids": [11]}, [11, 12, 2, 13, 2], "stop", None),
     ({"ignore_eos": True, "stop_token_ids": [2]}, [11, 12, 2], "stop", 2),
 ])
-def test_stop_conditions(params: dict, want: list[int], reason: str, stop_reason: int | None) -> None:
+@pytest.mark.parametrize("decode_burst", [1, 4])
+def test_stop_conditions(params: dict, want: list[int], reason: str, stop_reason: int | None,
+                         decode_burst: int) -> None:
+    """Within a decode burst too, a request stops at the token that stops it (the rest computed is dropped)."""
     p = prompt(1, 5)
-    h = Harness(predict=scripted([11, 12, 2, 13, 2, 14, 15, 16], len(p)))
-    h.add("a", p, **{"max_tokens": 6, **params}, eos=(2,))
+    h = Harness(predict=scripted([11, 12, 2, 13, 2, 14, 15, 16, 17, 18], len(p)), decode_burst=decode_burst)
+    h.add("a", p, **{"max_tokens": 6, "temperature": 0.0, **params}, eos=(2,))
     h.run()
     assert h.outputs["a"] == want
     assert (h.finished["a"].finish_reason, h.finished["a"].stop_reason) == (reason, stop_reason)
 
 
-def test_max_model_len_ends_a_request_without_max_tokens() -> None:
-    h = Harness(max_model_len=9)
-    h.add("a", prompt(1, 5), max_tokens=None)
+@pytest.mark.parametrize("decode_burst", [1, 3])
+def test_max_model_len_ends_a_request_without_max_tokens(decode_burst: int) -> None:
+    h = Harness(max_model_len=9, decode_burst=decode_burst)
+    h.add("a", prompt(1, 5), max_tokens=None, temperature=0.0)
     h.run()
     assert h.outputs["a"] == reference(prompt(1, 5), 4)
     assert h.finished["a"].finish_reason == "length"
 
 
-def test_a_request_alone_in_a_full_pool_ends_instead_of_preempting_itself() -> None:
-    h = Harness(num_blocks=3, max_model_len=1024)
-    h.add("a", prompt(1, 5), max_tokens=None)
+@pytest.mark.parametrize("decode_burst", [1, 4])
+def test_a_request_alone_in_a_full_pool_ends_instead_of_preempting_itself(decode_burst: int) -> None:
+    h = Harness(num_blocks=3, max_model_len=1024, decode_burst=decode_burst)
+    h.add("a", prompt(1, 5), max_tokens=None, temperature=0.0)
     h.run()
     assert len(h.outputs["a"]) == 3 * BS - 5 and h.sched.num_preemptions == 0
+
+
+def test_decode_bursts_give_the_same_tokens_and_run_only_while_no_one_waits() -> None:
+    """Greedy decodes burst 4 steps at a time (their slots taken ahead, none past max_tokens); a request that
+    arrives stops the bursts until it is admitted; a request that samples keeps its batch to single steps."""
+    h = Harness(decode_burst=4)
+    for rid, p, m in WORKLOAD[:3]:
+        h.add(rid, p, m, temperature=0.0)
+    for _ in range(3):
+        h.step()
+    late = h.add("late", prompt(9, 6), max_tokens=9, temperature=0.0, arrival=1.0)
+    assert h.step().decode_steps == 1 and late.status == RequestStatus.RUNNING  # admitted, not held back
+    h.run()
+    assert h.outputs == {**{rid: reference(p, m) for rid, p, m in WORKLOAD[:3]}, "late": reference(prompt(9, 6), 9)}
+    bursts = [s.decode_steps for s in h.history]
+    assert max(bursts) == 4 and len(h.history) < sum(m for _, _, m in WORKLOAD[:3])
+    sampling = Harness(decode_burst=4)
+    sampling.add("greedy", prompt(1, 5), 9, temperature=0.0)
+    sampling.add("random", prompt(2, 5), 9)  # temperature 1: the sampler runs each step
+    sampling.run()
+    assert {s.decode_steps for s in sampling.history} == {1}
 
 
 def test_scheduler_module_imports_no_torch() -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvbaton.cli import main
-from kvbaton.config import ConfigError
+from kvbaton.config import ConfigError, SchedulerConfig
 from kvbaton.sched.step_trace import TRACE_FORMAT
 from kvbaton.sim.calibrate import calibrate
 from kvbaton.sim.host import BySize, HostOverhead, ServedSteps, quantiles
@@ -28,7 +28,9 @@ from kvbaton.workload.metrics import SLO, summarize
 from kvbaton.workload.records import RunResult
 
 PRICES = LinearLatency(base_s=0.012, per_token_s=0.00025, per_decode_seq_s=0.0003, per_context_s=1e-7)
-CLUSTER = ClusterSpec(decode=InstanceSpec(latency=PRICES, num_blocks=2000, kv_bytes_per_token=1000))
+# one token a step (no decode bursts): each served step's overhead shows in each token's gap
+CLUSTER = ClusterSpec(decode=InstanceSpec(latency=PRICES, num_blocks=2000, kv_bytes_per_token=1000,
+                                          scheduler=SchedulerConfig(decode_burst=1)))
 ENGINE = {"model": "m", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16", "threads": 2, "kernels": True,
           "compute_path": "amx"}
 

@@ -48,7 +48,9 @@ def test_every_request_completes_and_runs_are_deterministic(name: str) -> None:
     assert first.result == again.result and first.instances == again.instances
     assert all(r.ok and r.output_tokens == r.output_len for r in first.result.records)
     gaps = [g for r in first.result.records for g in r.itl_s]
-    assert len(gaps) == sum(r.output_len - 1 for r in requests) and min(gaps) > 0
+    # a token's gap is 0 where a decode burst's tokens came together, never negative; most tokens wait a step
+    assert len(gaps) == sum(r.output_len - 1 for r in requests) and min(gaps) >= 0
+    assert sum(g > 0 for g in gaps) > len(gaps) / 4
 
 
 def test_disaggregation_routes_short_prompts_locally_and_pays_the_link() -> None:
