@@ -304,7 +304,7 @@ class EngineCore:
             start = time.perf_counter()
             model_output = self.runner.execute(sched)
             if self.expert_stats is not None and not sched.is_empty:
-                self.expert_stats.record_step()
+                self.expert_stats.record_step(sched.decode_steps)
             outputs = self.scheduler.update_from_output(sched, model_output)
         except Exception as exc:
             self.kv_cache.forget_new_blocks()  # never computed: neither the prefix cache nor the store may keep them
@@ -321,9 +321,11 @@ class EngineCore:
         # NOTE: a decode burst ran `decode_steps` steps of this shape: the cost models and stats price one
         shape, seconds = StepShape.of(sched.scheduled), (time.perf_counter() - scheduled_at) / sched.decode_steps
         if shape.decode_seqs:
-            self._decode_steps = self._decode_steps.add(mixed=shape.prefill_tokens > 0, seconds=seconds)
+            for _ in range(sched.decode_steps):
+                self._decode_steps = self._decode_steps.add(mixed=shape.prefill_tokens > 0, seconds=seconds)
         if self.step_trace is not None:  # timed as `sim profile` times a step: from scheduling on
-            self.step_trace.record(shape, seconds)
+            for _ in range(sched.decode_steps):
+                self.step_trace.record(shape, seconds)
         return StepResult(outputs, model_output.failed_transfers, refused)
 
     def _store_step(self, sched: SchedulerOutput, seconds: float, new_blocks: list[tuple[BlockHash, int]]) -> None:

@@ -34,11 +34,13 @@ class ExpertStats:
         layers = moe_layers(model)
         return cls(layers, window_steps) if layers else None
 
-    def record_step(self) -> None:
-        """The tokens the last forward routed (this engine's own requests)."""
+    def record_step(self, steps: int = 1) -> None:
+        """The tokens the last `steps` forwards routed (this engine's own requests; a decode burst runs several):
+        counted in the first of them, each a step of the window."""
         for i, layer in enumerate(self.layers):
             self.window.record(i, layer.block.take_token_counts().tolist())
-        self.window.end_step()
+        for _ in range(steps):
+            self.window.end_step()
 
     def snapshot(self, **expert_parallel: object) -> ExpertLoad:
         """The window as a frontend sees it; `expert_parallel`: an EP rank's fields of `ExpertLoad`."""

@@ -96,9 +96,11 @@ def test_a_killed_replica_s_streams_resume_from_the_snapshot(default_model_dir):
     refs = hf_greedy(default_model_dir, prompts(), MAX_NEW)
     # NOTE: one thread per replica: two 2-thread replicas on 2 cores starved one of them (its streams had 1-2
     # tokens when the other's had all 20, so no kill could land mid-stream on both)
+    # NOTE: --decode-burst 1: a stream event is then a token, so the kill lands after KILL_AFTER of them (bursts
+    # would bring 4 an event, and a 20-token stream could end before its sixth)
     with kvbaton_server("--dtype", "float32", "--max-model-len", "2048", "--decode", "2", "--routing",
                         "round_robin", "--kv-store", "shm", "--kv-cache-memory-gb", "0.5", "--threads", "1",
-                        "--worker-dead-after", "2") as (base, _):
+                        "--worker-dead-after", "2", "--decode-burst", "1") as (base, _):
         victim = next(w for w in httpx.get(f"{base}/workers").json()["workers"] if w["name"] == "kvbaton-both-0")
         outs, on_victim = asyncio.run(run_and_kill(base, victim))
         assert not pid_alive(victim["pid"])
