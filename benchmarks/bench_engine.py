@@ -48,7 +48,7 @@ from engine_bench.http_peers import run_llamacpp, run_vllm
 from engine_bench.inproc import WORKERS
 from engine_bench.measure import FULL, QUICK
 from engine_bench.report import markdown
-from engine_bench.rounds import best_bandwidth, best_of_rounds
+from engine_bench.rounds import best_bandwidth, best_of_rounds, highest_read
 
 PEERS = ("hf", "vllm", "llamacpp")
 
@@ -197,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         read_bw = bw.get("read_gb_s") or float("nan")
         rounds.append({"bandwidth": bw, "dtypes": {dtype: run_dtype(args, dtype, facts, read_bw, peers,
                                                                      results["notes"]) for dtype in dtypes}})
-    results["bandwidth"] = bw = best_bandwidth([r["bandwidth"] for r in rounds])
-    read_bw = bw.get("read_gb_s") or float("nan")
+    results["bandwidth"] = best_bandwidth([r["bandwidth"] for r in rounds])
+    read_bw = highest_read(rounds)
     results["rooflines"] = {d: to_json(roofline(facts, d, s.prompt_len, s.out_len, read_bw))
                             for d in ("bfloat16", "float32")}
     for dtype in dtypes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from common.machine import MODEL_NAME
 from common.report import fmt, notes_section
+from engine_bench.rounds import reads_around
 
 
 def engine_rows(dres: dict) -> list[dict]:
@@ -124,9 +125,12 @@ def _rounds(results: dict) -> str:
     n = len(results.get("rounds") or ()) or 1
     if n == 1:
         return ""
+    starts = " / ".join(fmt(r["bandwidth"].get("read_gb_s")) for r in results["rounds"])
+    around = fmt(max(reads_around(results["rounds"]), default=None))
     return (f", in each of {n} interleaved rounds (every engine once per round, the bandwidth measured at each "
             f"round's start; each figure below is an engine's best over the rounds, the roofline from the highest "
-            f"bandwidth: read {' / '.join(fmt(r['bandwidth'].get('read_gb_s')) for r in results['rounds'])} GB/s)")
+            f"read bandwidth seen: {starts} GB/s at the rounds' starts, {around} GB/s at most around kvbaton's "
+            f"decode runs)")
 
 
 def markdown(results: dict) -> str:

@@ -61,3 +61,19 @@ def best_of_rounds(rounds: Sequence[dict], roofline: dict) -> dict:
 def best_bandwidth(measures: Sequence[dict]) -> dict:
     """The round's bandwidth measurement with the highest read bandwidth (the most demanding roofline)."""
     return max(measures, key=lambda bw: bw.get("read_gb_s") or 0.0)
+
+
+def reads_around(rounds: Sequence[dict]) -> list[float]:
+    """The read bandwidths measured just before and after each of kvbaton's decode runs, in GB/s."""
+    return [gb for r in rounds for dres in r["dtypes"].values()
+            for run in (((dres.get("kvbaton") or {}).get("latency") or {}).get("runs") or ())
+            for gb in run.get("read_gb_s_around") or ()]
+
+
+def highest_read(rounds: Sequence[dict]) -> float:
+    """The highest read bandwidth seen in the run: at the rounds' starts and around each of kvbaton's decode runs.
+    NOTE: a host whose bandwidth changes state within minutes (ENVIRONMENT.md: 45-50 against 75-85 GB/s on the Zen
+    4 kind) can measure the slow state at every round's start and run kvbaton in the fast one; a roofline from
+    the round starts alone then reads above 100%."""
+    seen = [r["bandwidth"].get("read_gb_s") or 0.0 for r in rounds] + reads_around(rounds)
+    return max(seen, default=0.0) or float("nan")

@@ -182,11 +182,7 @@ class ModelRunner:
         tokens = [s.token_ids[0] for s in decodes]
         loop = self.model.layer_loop
         if loop is not None and loop.bursts(len(decodes)):  # the whole burst in one C call (over this runner's pools)
-            bs = self.block_size
-            last = [s.start_position + steps - 1 for s in decodes]
-            tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, last)]
-            width = max(len(t) for t in tables)
-            table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            _, table = self._decode_table(decodes, [s.start_position + steps - 1 for s in decodes])
             out = loop.burst(torch.tensor(tokens, dtype=torch.long),
                              torch.tensor([s.start_position for s in decodes], dtype=torch.long), table, steps)
             return ModelOutput({s.request_id: row for s, row in zip(decodes, out.tolist())})
@@ -207,10 +203,9 @@ class ModelRunner:
         the general path. A burst's later steps are `ahead` positions further, with their own `token_ids`."""
         bs = self.block_size
         positions = [s.start_position + ahead for s in decodes]
-        tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, positions)]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(tables, positions)]
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)  # [B, nb], 0-padded
+        tables, table = self._decode_table(decodes, positions)
+        slots = [ids[p // bs] * bs + p % bs for ids, p in zip(tables, positions)]
+        width = table.shape[1]
         context_lens = torch.tensor([p + 1 for p in positions], dtype=torch.long)
         mask = None if self.decode_kernel is not None else self._decode_mask(context_lens, width)
         meta = AttentionMetadata(bs, torch.tensor(slots, dtype=torch.long), len(decodes), table, context_lens, mask,
@@ -219,6 +214,15 @@ class ModelRunner:
             token_ids = [s.token_ids[0] for s in decodes]
         return StepInputs(torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                           torch.arange(len(decodes)), decodes)
+
+    def _decode_table(self, decodes: list[ScheduledRequest], last_positions: list[int],
+                      ) -> tuple[list[list[int]], torch.Tensor]:
+        """Each decode's blocks up to the one holding its `last_positions` entry, and them as one [B, nb] table
+        (0-padded to the widest)."""
+        bs = self.block_size
+        tables = [s.block_ids[: p // bs + 1] for s, p in zip(decodes, last_positions)]
+        width = max(len(t) for t in tables)
+        return tables, torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
 
     def _decode_mask(self, context_lens: torch.Tensor, max_blocks: int) -> torch.Tensor:
         """The PyTorch decode path's additive mask: [B, 1, 1, nb * block_size], -inf past each context."""
