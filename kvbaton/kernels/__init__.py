@@ -19,13 +19,14 @@ from kvbaton.kernels.linear import (
     small_batch_linear,
 )
 from kvbaton.kernels.moe import MoEExpertsKernel, MoERouteKernel, moe_experts_kernel, moe_route_kernel
-from kvbaton.kernels.norm import AddRMSNorm, add_rms_norm_kernel
+from kvbaton.kernels.norm import AddRMSNorm, HeadsRMSNorm, add_rms_norm_kernel, heads_rms_norm_kernel
 
 __all__ = [
     "MAX_LINEAR_ROWS",
     "AMXLinear",
     "AddRMSNorm",
     "DotLinear",
+    "HeadsRMSNorm",
     "MoEExpertsKernel",
     "MoERouteKernel",
     "PackedLinear",
@@ -36,6 +37,7 @@ __all__ = [
     "copy_rows_kernel",
     "cpu_kernels",
     "dot_linear",
+    "heads_rms_norm_kernel",
     "moe_experts_kernel",
     "moe_route_kernel",
     "pack_amx",

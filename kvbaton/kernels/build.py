@@ -35,6 +35,7 @@ SIGNATURES = {
     "kvbaton_linear_bf16": (_i, [_p, _p, _p, _p, _i64, _i64, _i64, _i]),
     "kvbaton_gemm_packed": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i]),
     "kvbaton_add_rms_norm_bf16": (None, [_p, _p, _p, _p, _p, _i64, _i64, _f, _i]),
+    "kvbaton_rms_norm_heads_bf16": (None, [_p, _i64, _i64, _i64, _i64, _p, _f, _i]),
     "kvbaton_copy_rows": (None, [_p, _p, _p, _p, _i64, _i64, _i]),
     "kvbaton_linear_dot": (_i, [_p, _p, _i, _p, _p, _i, _i64, _i64, _i64, _i, _i]),
     "kvbaton_gemm_amx": (_i, [_p, _p, _p, _p, _i, _i64, _i64, _i64, _i]),

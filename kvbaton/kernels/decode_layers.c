@@ -11,14 +11,16 @@
  * and the weight stream no longer restarts cold at each linear (the same 269 MB of linears read at 51 GB/s
  * in one region against 43 GB/s as a call each, Zen 4, 2 cores).
  *
- * Per layer (Llama family, dense MLP), T rows:
+ * Per layer (Llama family: Llama, Qwen2/3, Mixtral, Qwen3-MoE), T rows:
  *   h, residual = add_rms_norm(x, residual)          norm_bf16.c
  *   qkv = h Wqkv^T (+ b)                              the linear's kernel for T rows (below)
+ *   per-head q and k norms (Qwen3), in place          norm_bf16.c
  *   rotate q and k heads (RoPE, rotate-half)          rope_bf16.c
  *   K/V rows -> the pool at their slots               here
  *   attention over each row's context                 paged_attention.c (fp32 q, fp32 out)
  *   x = attn Wo^T; h, residual = add_rms_norm(x, residual)
  *   x = down(silu(gate(h)) * up(h))                   the gated GEMM, or a linear + silu_mul_bf16.c
+ *   or a MoE layer's x = sum of w_k expert_k(h)       moe_experts.c: the softmax gate, the experts, the combine
  *
  * Where what comes next plugs in: a tensor-parallel all-reduce after o_proj and down (a callback slot in
  * the stack spec, like `after_layer`); attention/FFN disaggregation splits `run_layer` at the second norm
@@ -44,6 +46,8 @@ int kvbaton_gemm_packed_team(const float *x, const void *packed, int weight_byte
 void kvbaton_add_rms_norm_bf16_team(const uint16_t *x, const uint16_t *delta, uint16_t *residual, uint16_t *out,
                                     const uint16_t *weight, int64_t rows, int64_t dim, float eps);
 void kvbaton_silu_mul_bf16_team(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter);
+void kvbaton_rms_norm_heads_bf16_team(uint16_t *x, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,
+                                      const uint16_t *weight, float eps);
 void kvbaton_rope_bf16_team(uint16_t *x, int64_t row_stride, const uint16_t *cos, const uint16_t *sin,
                             const int64_t *positions, int64_t rows, int64_t heads, int64_t head_dim);
 int64_t kvbaton_paged_decode_attention_scratch(int64_t batch, int64_t max_blocks, int block_size, int num_heads,
@@ -53,6 +57,14 @@ int kvbaton_paged_decode_attention_team(const void *kv_cache, int kv_format, con
                                         int64_t max_blocks, int block_size, int num_kv_heads, int group,
                                         int head_dim, float scale, int num_threads, int allow_split,
                                         float *scratch);
+
+int kvbaton_moe_route_team(const uint16_t *x, const uint16_t *w, int64_t t, int64_t h, int64_t e, int k,
+                           int norm_topk, int isa, int64_t *ids, float *weights);
+int64_t kvbaton_moe_experts_scratch(int64_t t, int k, int64_t num_experts, int64_t h, int64_t inter, int isa);
+int kvbaton_moe_experts_team(const uint16_t *x, const int64_t *ids, const float *route_w, const uint16_t *gate_up,
+                             const uint16_t *down, uint16_t *out, int64_t t, int k, int64_t num_experts, int64_t h,
+                             int64_t inter, int isa, int amx_min_rows, int num_threads, void *scratch,
+                             int64_t *counts);
 
 void kvbaton_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
 
@@ -80,8 +92,15 @@ typedef struct {
 
 typedef struct {
     const uint16_t *input_norm, *post_norm;  /* bf16 [hidden] */
-    LinearSpec qkv, o, gate_up, down;
+    LinearSpec qkv, o, gate_up, down;        /* gate_up and down: a dense MLP's (unused by a MoE layer) */
     void *kv_cache;                          /* [slots, 2, Hkv, D] in kv_format */
+    const uint16_t *q_norm, *k_norm;         /* per-head q/k norms' bf16 [head_dim] weights (Qwen3), or NULL */
+    /* A MoE layer in place of the dense MLP (router != NULL): the softmax gate's [E, hidden] bf16 weight, the
+     * routed experts' stacked weights packed for moe_experts.c, and the block's [E] int64 token counts (the load
+     * EPLB plans from), to which each step's assignments are added. */
+    const uint16_t *router;
+    const uint16_t *experts_gate_up, *experts_down;
+    int64_t *expert_counts;
 } LayerSpec;
 
 typedef struct {
@@ -94,6 +113,11 @@ typedef struct {
      * the last layer). */
     const uint16_t *final_norm;
     LinearSpec lm_head;
+    /* The MoE layers' shapes (all alike; num_experts 0: none) and kernels: moe_experts.c's instruction sets for
+     * the gate and the experts, and the most rows the gate's kernel takes (0: every count; more rows, and the
+     * Python loop's PyTorch gate would run instead, with other roundings: the loop does not take the step). */
+    int64_t num_experts, top_k, moe_intermediate, route_max_rows;
+    int32_t norm_topk, route_isa, experts_isa, amx_min_rows;
 } StackSpec;
 
 static const LinearOption *pick(const LinearSpec *l, int64_t rows) {
@@ -109,6 +133,9 @@ static const LinearOption *pick(const LinearSpec *l, int64_t rows) {
 typedef struct {
     uint16_t *h, *qkv, *attn, *gate_up, *act, *logits16;
     float *q32, *attn32, *f32_in, *f32_out, *attn_scratch;
+    int64_t *moe_ids;
+    float *moe_weights;
+    char *moe_scratch;
 } Workspace;
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -137,6 +164,11 @@ static int64_t carve(const StackSpec *s, int64_t rows, int64_t max_blocks, char 
     const int64_t scratch = kvbaton_paged_decode_attention_scratch(rows, max_blocks, s->block_size, (int)s->num_heads,
                                                                    (int)s->head_dim, s->num_threads, s->allow_split);
     SLICE(attn_scratch, float, (scratch + rows - 1) / rows)
+    SLICE(moe_ids, int64_t, s->top_k)
+    SLICE(moe_weights, float, s->top_k)
+    const int64_t moe = s->num_experts ? kvbaton_moe_experts_scratch(rows, (int)s->top_k, s->num_experts, s->hidden,
+                                                                     s->moe_intermediate, s->experts_isa) : 0;
+    SLICE(moe_scratch, char, (moe + rows - 1) / rows)
 #undef SLICE
     return off;
 }
@@ -220,6 +252,20 @@ static void write_kv_widen_q(const StackSpec *s, void *kv_cache, const uint16_t 
     }
 }
 
+/* A MoE layer's FFN on h: x = the routing-weighted sum of each row's top-k experts (the calls SparseMoeBlock makes
+ * on the same kernels: the gate, then the experts with the combine). Where attention/FFN disaggregation or expert
+ * parallelism plugs in: between the two calls, the rows, ids and weights go to the experts' owners (a callback the
+ * master thread runs between two barriers) and their combined rows come back into x. */
+static int run_moe(const StackSpec *s, const LayerSpec *l, uint16_t *x, int64_t rows, const Workspace *w) {
+    const int k = (int)s->top_k;
+    int rc = kvbaton_moe_route_team(w->h, l->router, rows, s->hidden, s->num_experts, k, s->norm_topk, s->route_isa,
+                                    w->moe_ids, w->moe_weights);
+    if (rc) return rc;
+    return kvbaton_moe_experts_team(w->h, w->moe_ids, w->moe_weights, l->experts_gate_up, l->experts_down, x, rows, k,
+                                    s->num_experts, s->hidden, s->moe_intermediate, s->experts_isa, s->amx_min_rows,
+                                    s->num_threads, w->moe_scratch, l->expert_counts);
+}
+
 static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t *x, uint16_t *residual,
                      const int64_t *positions, const int64_t *slots, const int64_t *block_table, int64_t max_blocks,
                      const int64_t *context_lens, int64_t rows, const Workspace *w) {
@@ -234,6 +280,11 @@ static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t
     }
     int rc = linear(s, pick(&l->qkv, rows), &l->qkv, w->h, w->qkv, rows, w);
     if (rc) return rc;
+    if (l->q_norm) {  /* before RoPE, in place, as the Python loop's Attention does */
+        kvbaton_rms_norm_heads_bf16_team(w->qkv, row_width, rows, s->num_heads, s->head_dim, l->q_norm, s->eps);
+        kvbaton_rms_norm_heads_bf16_team(w->qkv + q_width, row_width, rows, s->num_kv_heads, s->head_dim, l->k_norm,
+                                         s->eps);
+    }
     kvbaton_rope_bf16_team(w->qkv, row_width, s->cos, s->sin, positions, rows, s->num_heads + s->num_kv_heads,
                            s->head_dim);
     write_kv_widen_q(s, l->kv_cache, w->qkv, row_width, q_width, slots, rows, w->q32);
@@ -245,6 +296,7 @@ static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t
     narrow(w->attn32, w->attn, rows, q_width);
     if ((rc = linear(s, pick(&l->o, rows), &l->o, w->attn, x, rows, w))) return rc;
     kvbaton_add_rms_norm_bf16_team(x, residual, residual, w->h, l->post_norm, rows, e, s->eps);
+    if (l->router) return run_moe(s, l, x, rows, w);
     const LinearOption *gate_up = pick(&l->gate_up, rows);
     if (gate_up->kind == LIN_PACKED_GATED) {
         rc = linear(s, gate_up, &l->gate_up, w->h, w->act, rows, w);
@@ -279,8 +331,10 @@ int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int6
     if (rows < 1 || (s->lm_head.n && !pick(&s->lm_head, rows))) return 0;
     for (int64_t i = 0; i < s->num_layers; i++) {
         const LayerSpec *l = &layers[i];
-        if (!pick(&l->qkv, rows) || !pick(&l->o, rows) || !pick(&l->gate_up, rows) || !pick(&l->down, rows))
-            return 0;
+        if (!pick(&l->qkv, rows) || !pick(&l->o, rows)) return 0;
+        const int ffn = l->router ? !s->route_max_rows || rows <= s->route_max_rows
+                                  : pick(&l->gate_up, rows) && pick(&l->down, rows);
+        if (!ffn) return 0;
     }
     return 1;
 }

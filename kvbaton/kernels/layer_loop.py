@@ -32,7 +32,11 @@ class LinearSpec(ctypes.Structure):
 
 class LayerSpec(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", LinearSpec),
-                ("o", LinearSpec), ("gate_up", LinearSpec), ("down", LinearSpec), ("kv_cache", ctypes.c_void_p)]
+                ("o", LinearSpec), ("gate_up", LinearSpec), ("down", LinearSpec), ("kv_cache", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),  # per-head q/k norms' weights, or NULL
+                # a MoE layer (router set): the gate's weight, the packed experts, the block's token counts
+                ("router", ctypes.c_void_p), ("experts_gate_up", ctypes.c_void_p), ("experts_down", ctypes.c_void_p),
+                ("expert_counts", ctypes.c_void_p)]
 
 
 class StackSpec(ctypes.Structure):
@@ -42,7 +46,11 @@ class StackSpec(ctypes.Structure):
                 ("kv_format", ctypes.c_int32), ("num_threads", ctypes.c_int32), ("allow_split", ctypes.c_int32),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
                 ("max_positions", ctypes.c_int64), ("num_slots", ctypes.c_int64),
-                ("final_norm", ctypes.c_void_p), ("lm_head", LinearSpec)]  # lm_head.n == 0: no head
+                ("final_norm", ctypes.c_void_p), ("lm_head", LinearSpec),  # lm_head.n == 0: no head
+                # the MoE layers' shapes and kernels (num_experts 0: none; route_max_rows 0: every count)
+                ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("moe_intermediate", ctypes.c_int64),
+                ("route_max_rows", ctypes.c_int64), ("norm_topk", ctypes.c_int32), ("route_isa", ctypes.c_int32),
+                ("experts_isa", ctypes.c_int32), ("amx_min_rows", ctypes.c_int32)]
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "team.h"
 #include "vec8.h"
 
 
@@ -302,10 +303,48 @@ static void run_phase(const Ctx *ctx, int phase, int64_t num_hit, float *c, int 
     }
 }
 
-int kvbaton_moe_experts(const uint16_t *x, const int64_t *ids, const float *route_w, const uint16_t *gate_up,
-                        const uint16_t *down, uint16_t *out, int64_t t, int k, int64_t num_experts, int64_t h,
-                        int64_t inter, int isa, int amx_min_rows, int num_threads) {
-    if (t < 0 || k < 1 || num_experts < 1 || h < 1 || inter < 1 || num_threads < 1) return -1;
+/* The scratch a call needs, carved in moe_carve's order: the counting sort's arrays (int64), then the sorted rows
+ * of x, the activations and the down projections. */
+typedef struct {
+    int64_t *seg_start, *seg_rows, *hit, *pos, *row_token, *fill;
+    void *xs, *act;
+    float *ys;
+} Scratch;
+
+static int64_t moe_carve(int64_t t, int k, int64_t num_experts, int64_t h, int64_t inter, int isa, char *base,
+                         Scratch *sc) {
+    const int64_t n = t * k;
+    const size_t act_elem = isa == ISA_AVX2 ? 4 : 2;
+    int64_t off = 0;
+#define MOE_SLICE(field, type, count)                          \
+    if (base) sc->field = (type *)(base + off);                 \
+    off += ((int64_t)sizeof(type) * (count) + 63) / 64 * 64;
+    MOE_SLICE(seg_start, int64_t, num_experts)
+    MOE_SLICE(seg_rows, int64_t, num_experts)
+    MOE_SLICE(hit, int64_t, num_experts)
+    MOE_SLICE(fill, int64_t, num_experts)
+    MOE_SLICE(pos, int64_t, n)
+    MOE_SLICE(row_token, int64_t, n)
+    MOE_SLICE(xs, char, n * h * (int64_t)act_elem)
+    MOE_SLICE(act, char, n * inter * (int64_t)act_elem)
+    MOE_SLICE(ys, float, n * h)
+#undef MOE_SLICE
+    return off;
+}
+
+/* Bytes of scratch kvbaton_moe_experts_team needs for t tokens (64-byte aligned pieces). */
+int64_t kvbaton_moe_experts_scratch(int64_t t, int k, int64_t num_experts, int64_t h, int64_t inter, int isa) {
+    return moe_carve(t, k, num_experts, h, inter, isa, NULL, NULL);
+}
+
+/* The routed experts on the calling team (team.h): scratch is kvbaton_moe_experts_scratch bytes, 64-byte aligned,
+ * shared by the team; counts: NULL, or [E] int64 to which each expert's assignments this call are added. */
+int kvbaton_moe_experts_team(const uint16_t *x, const int64_t *ids, const float *route_w, const uint16_t *gate_up,
+                             const uint16_t *down, uint16_t *out, int64_t t, int k, int64_t num_experts, int64_t h,
+                             int64_t inter, int isa, int amx_min_rows, int num_threads, void *scratch,
+                             int64_t *counts) {
+    (void)num_threads;  /* the items go to whichever thread is free: the results do not depend on the split */
+    if (t < 0 || k < 1 || num_experts < 1 || h < 1 || inter < 1) return -1;
     if (isa == ISA_AVX2) {
         if (inter % 8 || h % BLOCK) return -1;
     } else if (isa == ISA_AVX512_BF16 || isa == ISA_AMX) {
@@ -314,80 +353,80 @@ int kvbaton_moe_experts(const uint16_t *x, const int64_t *ids, const float *rout
         return -1;
     }
     const int64_t n = t * k;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++)  /* every thread reads the same ids: each returns the same code */
         if (ids[i] < 0 || ids[i] >= num_experts) return -2;
     if (t == 0) return 0;
-
-    /* counting sort of the assignments by expert, stable: row pos[i] of the sorted batch is assignment i */
-    int64_t *seg_start = calloc((size_t)(3 * num_experts) + (size_t)(2 * n), sizeof(int64_t));
-    const size_t act_elem = isa == ISA_AVX2 ? 4 : 2;
-    void *xs = malloc((size_t)(n * h) * act_elem), *act = malloc((size_t)(n * inter) * act_elem);
-    float *ys = malloc((size_t)(n * h) * sizeof(float));
-    if (!seg_start || !xs || !act || !ys) {
-        free(seg_start), free(xs), free(act), free(ys);
-        return -3;
-    }
-    int64_t *seg_rows = seg_start + num_experts, *hit = seg_rows + num_experts, *pos = hit + num_experts;
-    int64_t *row_token = pos + n;
-    for (int64_t i = 0; i < n; i++) seg_rows[ids[i]]++;
-    int64_t num_hit = 0, next = 0;
-    for (int64_t e = 0; e < num_experts; e++) {
-        seg_start[e] = next;
-        next += seg_rows[e];
-        if (seg_rows[e]) hit[num_hit++] = e;
-    }
+    Scratch sc = {0};
+    moe_carve(t, k, num_experts, h, inter, isa, (char *)scratch, &sc);
+    /* counting sort of the assignments by expert, stable: row pos[i] of the sorted batch is assignment i; one
+     * thread sorts (a few hundred ids), the single's closing barrier shows the result to the others */
+#pragma omp single
     {
-        int64_t *fill = calloc((size_t)num_experts, sizeof(int64_t));
-        if (!fill) {
-            free(seg_start), free(xs), free(act), free(ys);
-            return -3;
+        memset(sc.seg_rows, 0, sizeof(int64_t) * (size_t)num_experts);
+        memset(sc.fill, 0, sizeof(int64_t) * (size_t)num_experts);
+        for (int64_t i = 0; i < n; i++) sc.seg_rows[ids[i]]++;
+        int64_t next = 0, hits = 0;
+        for (int64_t e = 0; e < num_experts; e++) {
+            sc.seg_start[e] = next;
+            next += sc.seg_rows[e];
+            if (sc.seg_rows[e]) sc.hit[hits++] = e;
+            if (counts) counts[e] += sc.seg_rows[e];
         }
         for (int64_t i = 0; i < n; i++) {
-            const int64_t e = ids[i], r = seg_start[e] + fill[e]++;
-            pos[i] = r;
-            row_token[r] = i / k;
+            const int64_t e = ids[i], r = sc.seg_start[e] + sc.fill[e]++;
+            sc.pos[i] = r;
+            sc.row_token[r] = i / k;
         }
-        free(fill);
     }
+    int64_t num_hit = 0;
+    for (int64_t e = 0; e < num_experts; e++) num_hit += sc.seg_rows[e] != 0;
     const Ctx ctx = {.isa = isa, .amx_min_rows = amx_min_rows < 1 ? 1 : amx_min_rows, .h = h, .inter = inter,
-                     .gate_up = gate_up, .down = down, .seg_start = seg_start, .seg_rows = seg_rows, .hit = hit,
-                     .xs = xs, .act = act, .ys = ys};
-
-#pragma omp parallel num_threads(num_threads)
-    {
-        float c[AMX_ROWS * ITEM_COLS] __attribute__((aligned(64)));
-        int amx_rows = 0;  /* this thread's AMX configuration: rows of its A and C tiles (0: none) */
+                     .gate_up = gate_up, .down = down, .seg_start = sc.seg_start, .seg_rows = sc.seg_rows,
+                     .hit = sc.hit, .xs = sc.xs, .act = sc.act, .ys = sc.ys};
+    float c[AMX_ROWS * ITEM_COLS] __attribute__((aligned(64)));
+    int amx_rows = 0;  /* this thread's AMX configuration: rows of its A and C tiles (0: none) */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < n; r++) {  /* gather the rows in expert order */
-            const uint16_t *src = x + row_token[r] * h;
-            if (isa == ISA_AVX2) {
-                float *dst = (float *)xs + r * h;
+    for (int64_t r = 0; r < n; r++) {  /* gather the rows in expert order */
+        const uint16_t *src = x + sc.row_token[r] * h;
+        if (isa == ISA_AVX2) {
+            float *dst = (float *)sc.xs + r * h;
 #pragma omp simd
-                for (int64_t j = 0; j < h; j++) dst[j] = bf16_to_f32(src[j]);
-            } else {
-                memcpy((uint16_t *)xs + r * h, src, (size_t)h * 2);
-            }
-        }
-        run_phase(&ctx, 0, num_hit, c, &amx_rows);
-        run_phase(&ctx, 1, num_hit, c, &amx_rows);
-        if (amx_rows) amx_release();
-#pragma omp for schedule(static)
-        for (int64_t tok = 0; tok < t; tok++) {  /* the combine: k weighted rows per token, in choice order */
-            float sum[BLOCK];
-            for (int64_t j0 = 0; j0 < h; j0 += BLOCK) {
-                for (int c2 = 0; c2 < BLOCK; c2++) sum[c2] = 0.0f;
-                for (int j = 0; j < k; j++) {
-                    const float wj = route_w[tok * k + j];
-                    const float *y = ys + pos[tok * k + j] * h + j0;
-#pragma omp simd
-                    for (int c2 = 0; c2 < BLOCK; c2++) sum[c2] += wj * y[c2];
-                }
-                for (int c2 = 0; c2 < BLOCK; c2++) out[tok * h + j0 + c2] = f32_to_bf16(sum[c2]);
-            }
+            for (int64_t j = 0; j < h; j++) dst[j] = bf16_to_f32(src[j]);
+        } else {
+            memcpy((uint16_t *)sc.xs + r * h, src, (size_t)h * 2);
         }
     }
-    free(seg_start), free(xs), free(act), free(ys);
+    run_phase(&ctx, 0, num_hit, c, &amx_rows);
+    run_phase(&ctx, 1, num_hit, c, &amx_rows);
+    if (amx_rows) amx_release();
+#pragma omp for schedule(static)
+    for (int64_t tok = 0; tok < t; tok++) {  /* the combine: k weighted rows per token, in choice order */
+        float sum[BLOCK];
+        for (int64_t j0 = 0; j0 < h; j0 += BLOCK) {
+            for (int c2 = 0; c2 < BLOCK; c2++) sum[c2] = 0.0f;
+            for (int j = 0; j < k; j++) {
+                const float wj = route_w[tok * k + j];
+                const float *y = sc.ys + sc.pos[tok * k + j] * h + j0;
+#pragma omp simd
+                for (int c2 = 0; c2 < BLOCK; c2++) sum[c2] += wj * y[c2];
+            }
+            for (int c2 = 0; c2 < BLOCK; c2++) out[tok * h + j0 + c2] = f32_to_bf16(sum[c2]);
+        }
+    }
     return 0;
+}
+
+int kvbaton_moe_experts(const uint16_t *x, const int64_t *ids, const float *route_w, const uint16_t *gate_up,
+                        const uint16_t *down, uint16_t *out, int64_t t, int k, int64_t num_experts, int64_t h,
+                        int64_t inter, int isa, int amx_min_rows, int num_threads) {
+    if (t < 0 || k < 1 || num_experts < 1 || num_threads < 1) return -1;
+    void *scratch = aligned_alloc(64, (size_t)kvbaton_moe_experts_scratch(t, k, num_experts, h, inter, isa) + 64);
+    if (!scratch) return -3;
+    const int rc = ON_TEAM(num_threads, kvbaton_moe_experts_team(x, ids, route_w, gate_up, down, out, t, k,
+                                                                 num_experts, h, inter, isa, amx_min_rows,
+                                                                 num_threads, scratch, NULL));
+    free(scratch);
+    return rc;
 }
 
 /* ---- the gate: logits, softmax, top-k -------------------------------------------------------------------
@@ -479,11 +518,24 @@ static void route_one(const uint16_t *x, const uint16_t *w, int64_t h, int64_t e
         for (int c = 0; c < k; c++) weights[c] /= picked;
 }
 
+static int route_ok(int64_t t, int64_t h, int64_t e, int k, int isa) {
+    if (t < 0 || h < 1 || e < 1 || e > MAX_ROUTE_EXPERTS || k < 1 || k > e) return 0;
+    if (isa == ISA_AVX2 ? h % 8 : h % 32) return 0;
+    return isa == ISA_AVX2 || isa == ISA_AVX512_BF16 || isa == ISA_AMX;
+}
+
+/* The gate on the calling team (team.h): the team's threads split the tokens (each token alone: the same bits). */
+int kvbaton_moe_route_team(const uint16_t *x, const uint16_t *w, int64_t t, int64_t h, int64_t e, int k,
+                           int norm_topk, int isa, int64_t *ids, float *weights) {
+    if (!route_ok(t, h, e, k, isa)) return -1;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < t; i++) route_one(x + i * h, w, h, e, k, norm_topk, isa, ids + i * k, weights + i * k);
+    return 0;
+}
+
 int kvbaton_moe_route(const uint16_t *x, const uint16_t *w, int64_t t, int64_t h, int64_t e, int k, int norm_topk,
                       int isa, int num_threads, int64_t *ids, float *weights) {
-    if (t < 0 || h < 1 || e < 1 || e > MAX_ROUTE_EXPERTS || k < 1 || k > e || num_threads < 1) return -1;
-    if (isa == ISA_AVX2 ? h % 8 : h % 32) return -1;
-    if (isa != ISA_AVX2 && isa != ISA_AVX512_BF16 && isa != ISA_AMX) return -1;
+    if (!route_ok(t, h, e, k, isa) || num_threads < 1) return -1;
     /* NOTE: one token's gate is ~E x H multiply-adds (~5 us at 64 x 768): threads only pay off for a batch */
     const int threads = t * e * h >= (int64_t)1 << 22 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)

@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from kvbaton.config import ConfigError
-from kvbaton.kernels import add_rms_norm_kernel, dot_linear, pack_amx, pack_linear, small_batch_linear
+from kvbaton.kernels import (
+    add_rms_norm_kernel,
+    dot_linear,
+    heads_rms_norm_kernel,
+    pack_amx,
+    pack_linear,
+    small_batch_linear,
+)
 from kvbaton.kernels.activation import silu_mul_kernel
 from kvbaton.kernels.linear import DotLinear, Packer, SmallBatchLinear, pack_now
 from kvbaton.kernels.moe import (
@@ -64,6 +71,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
     keep_fp32 = weight_bytes <= FP32_WEIGHT_COPY_MAX_BYTES
     rows_kernel = _rows_kernel(plan)
     norm_kernel = add_rms_norm_kernel() if plan.norm == "c" else None
+    heads_norm = heads_rms_norm_kernel() if plan.norm == "c" else None  # q/k norms (shared with the C loop)
     # the C activation goes with the C norms: the rows whose decode steps the C layer loop runs
     silu_mul = silu_mul_kernel() if plan.norm == "c" else None
     rope = rope_kernel() if plan.norm == "c" else None  # and the C RoPE, which that loop uses too
@@ -88,6 +96,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
         elif isinstance(module, RMSNorm):
             suits = norm_kernel is not None and norm_kernel.supports_weight(module.weight)
             module.kernel = norm_kernel if suits else None
+            module.heads = heads_norm if suits else None
         elif isinstance(module, GroupedExperts) and module.kernel is None:
             if moe_kernel is not None and moe_kernel.supports(module.gate_up_proj, module.down_proj):
                 module.use_kernel(moe_kernel)

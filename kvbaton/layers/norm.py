@@ -6,11 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvbaton.kernels import AddRMSNorm
+from kvbaton.kernels import AddRMSNorm, HeadsRMSNorm
 
 
 class RMSNorm(nn.Module):
     kernel: AddRMSNorm | None = None  # C residual-add + norm for bf16 activations (apply_compute_plan)
+    heads: HeadsRMSNorm | None = None  # its per-head form, in place over qkv rows (q/k norms), set with `kernel`
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

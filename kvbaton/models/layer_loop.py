@@ -2,12 +2,13 @@
 (kvbaton.kernels.layer_loop, decode_layers.c), which then runs every layer of a step in one call.
 
 The runner builds it at start-up, after the compute plan gave each layer its kernels: each linear's C kernels
-(the ones `Linear.forward` would pick, in its order), the C norms, the C SwiGLU activation, the C decode
-attention and the KV pools. A step takes it when all its tokens attend as decode queries (a decode batch, or any
-step of deterministic mode's per-token attention) and every linear has a C kernel for its row count; any other
-step, and any model it does not describe (MoE layers, q/k norms, clamped qkv, latent attention, fp32 weights,
-quantized KV pools, `KVBATON_LAYER_LOOP=0`), runs the Python loop. Both call the same kernels in the same order,
-so they give the same bits (tests/models/test_layer_loop.py).
+(the ones `Linear.forward` would pick, in its order), the C norms (per-head q/k norms included), the C SwiGLU
+activation, a MoE layer's C gate and experts kernels, the C decode attention and the KV pools. A step takes it
+when all its tokens attend as decode queries (a decode batch, or any step of deterministic mode's per-token
+attention) and every linear (and MoE gate) has a C kernel for its row count; any other step, and any model it
+does not describe (shared or expert-parallel experts, sigmoid-scored gates, whole-q/k norms, clamped qkv, latent
+attention, fp32 weights, quantized KV pools, `KVBATON_LAYER_LOOP=0`), runs the Python loop. Both call the same
+kernels in the same order, so they give the same bits (tests/models/test_layer_loop.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from kvbaton.kernels.layer_loop import (
 from kvbaton.kernels.linear import MAX_LINEAR_ROWS, PANEL
 from kvbaton.layers.attention import AttentionMetadata
 from kvbaton.layers.linear import Linear
-from kvbaton.layers.mlp import MLP
+from kvbaton.layers.moe.block import SparseMoeBlock
 from kvbaton.models.llama import DecoderLayer, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,9 @@ def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], bloc
                       cos=model.rope.cos.data_ptr(), sin=model.rope.sin.data_ptr(),
                       max_positions=model.rope.cos.shape[0], num_slots=kv_caches[0].shape[0])
     _add_head(stack, model, keep)
+    for layer, spec in zip(decoder_layers, layers):
+        if isinstance(layer.mlp, SparseMoeBlock) and spec is not None:
+            _moe_spec(stack, layer.mlp, spec, keep)
     loop = decode_layers(stack, [s for s in layers if s is not None], keep)
     if loop is None:
         return None
@@ -148,10 +152,14 @@ def _why_not(model: torch.nn.Module, kv_caches: list[torch.Tensor],
         return "the compute plan's decode attention is PyTorch's"
     if model.embed_tokens.weight.dtype != torch.bfloat16 or model.rope.cos.dtype != torch.bfloat16:
         return "the loop computes bf16 models (fp32 ones are the parity oracle's, in PyTorch)"
-    if cfg.qk_norm or cfg.clip_qkv is not None:
-        return "q/k norms and qkv clamps are not in the loop"
-    if any(not isinstance(layer, DecoderLayer) or not isinstance(layer.mlp, MLP) for layer in model.layers):
-        return "MoE layers are not in the loop"
+    if (cfg.qk_norm and not cfg.qk_norm_per_head) or cfg.clip_qkv is not None:
+        return "whole-q/k norms and qkv clamps are not in the loop (per-head q/k norms are)"
+    if any(not isinstance(layer, DecoderLayer) for layer in model.layers):
+        return "a layer is not a decoder layer"
+    moe = next((why for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)
+                for why in [_why_not_moe(layer.mlp)] if why), None)
+    if moe is not None:
+        return moe
     if len(kv_caches) != len(model.layers) or any(c.dtype not in KV_FORMATS or not c.is_contiguous() or c.dim() != 4
                                                   for c in kv_caches):
         return "the loop writes bf16 or fp32 KV pools (a quantized pool is the Python loop's)"
@@ -160,25 +168,62 @@ def _why_not(model: torch.nn.Module, kv_caches: list[torch.Tensor],
     return None
 
 
+def _why_not_moe(block: SparseMoeBlock) -> str | None:
+    """Why the loop does not take this MoE block (None: it does): it runs the gate's and the experts' C kernels,
+    so the block must use both, and nothing the loop does not do yet."""
+    if block.dispatcher is not None:
+        return "expert-parallel MoE layers exchange tokens from Python"
+    if block.shared_experts is not None:
+        return "shared experts are not in the loop"
+    if block.gate.kernel is None or block.experts.kernel is None:
+        return "a MoE layer's gate or experts run in PyTorch (sigmoid scoring, shapes or the compute plan)"
+    return None
+
+
+def _moe_spec(stack: StackSpec, block: SparseMoeBlock, spec: LayerSpec, keep: list[torch.Tensor]) -> None:
+    """The MoE block's gate and experts into the layer's spec, and their shapes and kernels into the stack's."""
+    moe, gate, experts = block.moe, block.gate, block.experts
+    assert gate.kernel is not None and experts.kernel is not None
+    keep += [gate.weight, experts.gate_up_proj, experts.down_proj, block.expert_token_counts]
+    spec.router, spec.expert_counts = gate.weight.data_ptr(), block.expert_token_counts.data_ptr()
+    spec.experts_gate_up, spec.experts_down = experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr()
+    stack.num_experts, stack.top_k, stack.moe_intermediate = moe.num_experts, moe.top_k, experts.intermediate_size
+    stack.route_max_rows = gate.kernel.max_rows or 0
+    stack.norm_topk, stack.route_isa = int(moe.norm_topk_prob), gate.kernel.isa
+    stack.experts_isa, stack.amx_min_rows = experts.kernel.isa, experts.kernel.amx_min_rows
+
+
 def _layer_spec(layer: DecoderLayer, kv_cache: torch.Tensor, keep: list[torch.Tensor]) -> LayerSpec | None:
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     mlp = layer.mlp
-    assert isinstance(mlp, MLP)
-    if any(n.kernel is None for n in norms) or mlp.silu_mul is None:
+    if any(n.kernel is None for n in norms):
         return None
     attn = layer.self_attn
+    norm_ptrs: dict[str, int] = {}  # per-head q/k norms (_why_not), through the C function both loops call
+    if attn.q_norm is not None and attn.k_norm is not None:
+        if attn.q_norm.heads is None or attn.k_norm.heads is None:
+            return None
+        keep += [attn.q_norm.weight, attn.k_norm.weight]
+        norm_ptrs = {"q_norm": attn.q_norm.weight.data_ptr(), "k_norm": attn.k_norm.weight.data_ptr()}
+    qkv, o = (linear_spec(_choices(p), p.out_features, p.in_features, keep) for p in (attn.qkv_proj, attn.o_proj))
+    if qkv.options[0].kind == 0 or o.options[0].kind == 0:
+        return None
+    keep.extend(n.weight for n in norms)
+    if isinstance(mlp, SparseMoeBlock):  # the MoE fields are the stack's to fill (_moe_spec)
+        return LayerSpec(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), qkv, o, kv_cache=kv_cache.data_ptr(),
+                         **norm_ptrs)
+    if mlp.silu_mul is None:
+        return None
     gate_up = _choices(mlp.gate_up_proj)
     fused = mlp.fused_gate_up
     if fused is not None:  # what MLP.forward runs where the rows kernel does not take the rows
         gate_up.append(KernelChoice(LIN_PACKED_GATED, fused.weight, None, packed_n=fused.weight.shape[0] * PANEL))
-    specs = [linear_spec(_choices(attn.qkv_proj), attn.qkv_proj.out_features, attn.qkv_proj.in_features, keep),
-             linear_spec(_choices(attn.o_proj), attn.o_proj.out_features, attn.o_proj.in_features, keep),
-             linear_spec(gate_up, mlp.gate_up_proj.out_features, mlp.gate_up_proj.in_features, keep),
+    specs = [linear_spec(gate_up, mlp.gate_up_proj.out_features, mlp.gate_up_proj.in_features, keep),
              linear_spec(_choices(mlp.down_proj), mlp.down_proj.out_features, mlp.down_proj.in_features, keep)]
     if any(s.options[0].kind == 0 for s in specs):
         return None
-    keep.extend(n.weight for n in norms)
-    return LayerSpec(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), *specs, kv_cache.data_ptr())
+    return LayerSpec(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), qkv, o, *specs, kv_cache.data_ptr(),
+                     **norm_ptrs)
 
 
 def _choices(linear: Linear) -> list[KernelChoice]:

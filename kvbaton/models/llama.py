@@ -52,8 +52,13 @@ class Attention(nn.Module):
             flat.clamp_(-self.clip_qkv, self.clip_qkv)
         qkv = flat.view(tokens, heads + 2 * self.num_kv_heads, self.head_dim)  # [T, H + 2Hkv, D]
         if self.q_norm is not None and self.k_norm is not None and self.per_head_norm:
-            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
-            qkv[:, heads:heads + self.num_kv_heads] = self.k_norm(qkv[:, heads:heads + self.num_kv_heads])
+            kernel = self.q_norm.heads  # the C per-head norm where the plan chose the C norms
+            if kernel is not None and kernel.handles(flat, self.q_norm.weight):  # in place, as the C loop does
+                kernel(flat, 0, heads, self.q_norm.weight, self.q_norm.eps)
+                kernel(flat, heads, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
+            else:
+                qkv[:, :heads] = self.q_norm(qkv[:, :heads])
+                qkv[:, heads:heads + self.num_kv_heads] = self.k_norm(qkv[:, heads:heads + self.num_kv_heads])
         self.rope.apply_(qkv[:, :heads + self.num_kv_heads], cos_sin)  # q and k heads in one go
         q = qkv[:, :heads]  # [T, H, D]
         kv = qkv[:, heads:].unflatten(1, (2, self.num_kv_heads))  # [T, 2, Hkv, D]

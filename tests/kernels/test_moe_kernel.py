@@ -261,6 +261,9 @@ def test_bf16_engine_experts_agree_with_pytorch_loop(tiny_moe_models, monkeypatc
         kernels = _moe_blocks_kernels(engines[kernel])
         assert kernels and all((k is not None) == kernel for k in kernels)
     seen = []
+    # decode steps through the Python loop, where the hooks see them (the C layer loop calls the same kernel:
+    # tests/models/test_layer_loop.py checks it gives the Python loop's bits)
+    engines[True].engine.core.runner.model.layer_loop = None
     layers = [m for m in engines[True].engine.core.runner.model.modules() if isinstance(m, GroupedExperts)]
     loops = [m for m in engines[False].engine.core.runner.model.modules() if isinstance(m, GroupedExperts)]
     for layer, loop in zip(layers, loops):

@@ -4,6 +4,8 @@ and leaves every model and step it does not describe to the Python loop."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from kvbaton.layers.attention import AttentionMetadata
 from kvbaton.models.layer_loop import LAYER_LOOP_ENV, LayerLoop
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
-from tests.support.helpers import tiny_prompts
+from tests.support.helpers import build_tiny_moe_checkpoint, tiny_prompts
 
 PATHS = [pytest.param(p, d, id=p + ("-deterministic" if d else "")) for p in ("amx", "avx512-bf16", "avx2")
          for d in (False, True)]
@@ -49,7 +51,8 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]
 
 
 @pytest.mark.parametrize("path, deterministic", PATHS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3"])  # untied; q/k/v biases and tied; Llama-3 RoPE
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])  # untied; q/k/v biases, tied; Llama-3 RoPE;
+# per-head q/k norms
 def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, deterministic):
     try:
         choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
@@ -97,14 +100,12 @@ def test_steps_it_does_not_take_run_the_python_loop(tiny_models):
     assert loop.layers.takes(many) == (llm.engine.core.compute_plan.path != "avx512-bf16")
 
 
-@pytest.mark.parametrize("case", ["fp32", "qk-norm", "int8-kv", "env"])
+@pytest.mark.parametrize("case", ["fp32", "int8-kv", "env"])
 def test_models_it_does_not_describe_keep_the_python_loop(tiny_models, monkeypatch, case):
     kwargs: dict = {"dtype": "bfloat16", "block_size": 8}
     arch = "llama"
     if case == "fp32":
         kwargs["dtype"] = "float32"
-    elif case == "qk-norm":
-        arch = "qwen3"
     elif case == "int8-kv":
         kwargs["kv_cache_dtype"] = "int8"
     else:
@@ -115,9 +116,52 @@ def test_models_it_does_not_describe_keep_the_python_loop(tiny_models, monkeypat
     assert len(outputs[0][0]) == 12
 
 
-def test_moe_models_keep_the_python_loop(tiny_moe_models):
-    llm = LLM(str(tiny_moe_models["mixtral"]), dtype="bfloat16", block_size=8)
-    assert llm.engine.core.runner.model.layer_loop is None
+@pytest.fixture(scope="module")
+def loop_moe_models(tiny_moe_models, tmp_path_factory) -> dict[str, Path]:
+    """MoE models whose experts the C experts kernel takes on every instruction set (intermediate % 32 == 0): a
+    tiny Mixtral of intermediate 64 and the tiny Qwen3-MoE (per-head q/k norms, norm_topk_prob)."""
+    mixtral = build_tiny_moe_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral-64"), intermediate_size=64)
+    return {"mixtral": mixtral, "qwen3_moe": tiny_moe_models["qwen3_moe"]}
+
+
+def expert_totals(llm: LLM) -> torch.Tensor:
+    stats = llm.engine.core.expert_stats
+    assert stats is not None
+    return torch.tensor(stats.window.totals())
+
+
+@pytest.mark.parametrize("path, deterministic", PATHS)
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_layers_run_in_the_c_loop_with_the_python_loops_bits(loop_moe_models, arch, path, deterministic):
+    try:
+        choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
+    except ConfigError as exc:
+        pytest.skip(f"this CPU cannot run it: {exc}")
+    llm = LLM(str(loop_moe_models[arch]), dtype="bfloat16", block_size=8, compute_path=path,
+              deterministic=deterministic, enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    assert isinstance(model.layer_loop, LayerLoop), "the C loop takes the MoE layers"
+    counting = CountingLoop(model.layer_loop)
+    model.layer_loop = counting
+    prompts = tiny_prompts(4, [9, 30, 17, 5, 12])
+    before = expert_totals(llm)
+    with_loop = generate(llm, prompts)
+    routed_in_loop = expert_totals(llm) - before
+    assert counting.steps and counting.with_head, "no step ran the C loop"
+    model.layer_loop = None
+    assert generate(llm, prompts) == with_loop
+    # the loop counted each expert's tokens as the Python block does (the load EPLB and /experts read)
+    assert torch.equal(expert_totals(llm) - before - routed_in_loop, routed_in_loop)
+    assert routed_in_loop.sum() == 2 * sum(len(p) + 11 for p in prompts) * routed_in_loop.shape[0]  # top-2, 3 layers
+
+
+def test_moe_models_it_does_not_describe_keep_the_python_loop(tiny_moe_models):
+    # Qwen2-MoE: a gated shared expert; OLMoE: whole-q/k norms and clip_qkv; the tiny Mixtral: intermediate 48,
+    # which the tile-layout experts kernels refuse (the avx2 one takes it)
+    for arch in ("qwen2_moe", "olmoe", "mixtral"):
+        llm = LLM(str(tiny_moe_models[arch]), dtype="bfloat16", block_size=8)
+        loop = llm.engine.core.runner.model.layer_loop
+        assert loop is None or (arch == "mixtral" and llm.engine.core.compute_plan.path == "avx2")
 
 
 def test_a_step_out_of_bounds_is_refused_before_anything_is_written(tiny_models):

@@ -138,10 +138,11 @@ def greedy(llm, max_tokens: int, prompts: list[list[int]]) -> list[list[int]]:
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
-def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides: object) -> Path:
     """Random-weight sparse-expert models saved with transformers (fp32): 8 experts, top-2 (Mixtral,
     Qwen2-MoE with a gated shared expert and one dense layer, Qwen3-MoE with norm_topk_prob, OLMoE with its
-    whole-q/k norm and clip_qkv). Weights are large enough (std 0.2) that routing differs per token."""
+    whole-q/k norm and clip_qkv). Weights are large enough (std 0.2) that routing differs per token.
+    `overrides`: config fields to change (e.g. a Mixtral `intermediate_size` the C experts kernel takes)."""
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -149,7 +150,7 @@ def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
                   eos_token_id=None, bos_token_id=None, pad_token_id=0, num_experts_per_tok=2,
                   tie_word_embeddings=False)
     if arch == "mixtral":
-        cfg = MixtralConfig(**common, intermediate_size=48, num_local_experts=8)
+        cfg = MixtralConfig(**{**common, "intermediate_size": 48, "num_local_experts": 8, **overrides})
     elif arch == "qwen2_moe":
         cfg = Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                              shared_expert_intermediate_size=48, mlp_only_layers=[1])
