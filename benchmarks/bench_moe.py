@@ -153,7 +153,9 @@ def weight_bytes(model_dir: Path, experts_hit_per_layer: float) -> dict[str, flo
 def engine_runner(engine: Any, tag: str, params: Callable[[int], Any],
                   ) -> Callable[[list[list[int]], int], tuple[list[float], dict[str, list[float]]]]:
     """`run(prompts, out_len)`: the prompts through the engine's own step loop (`params(out_len)` each) until
-    done; the time of every step with all of them decoding, and per request its token stamps."""
+    done; the time of every model step with all of them decoding, and per request its token stamps.
+    NOTE: a decode burst (sched/burst.py) runs several model steps in one engine step, each request getting a token
+    from each: such a step counts as that many model steps of its time over their number."""
     calls = itertools.count()
 
     def run(prompts: list[list[int]], out_len: int) -> tuple[list[float], dict[str, list[float]]]:
@@ -171,7 +173,8 @@ def engine_runner(engine: Any, tag: str, params: Callable[[int], Any],
             now = time.perf_counter()
             decode_only = len(counts) == len(prompts) and all(v >= 1 for v in counts.values())
             if decode_only and len(outs) == len(prompts):
-                steps.append(now - t0)
+                model_steps = min(len(out.outputs[0].token_ids) - counts[out.request_id] for out in outs)
+                steps += [(now - t0) / model_steps] * model_steps if model_steps > 0 else []
             for out in outs:
                 n = len(out.outputs[0].token_ids)
                 stamps.setdefault(out.request_id, []).extend([now] * (n - counts.get(out.request_id, 0)))
@@ -218,10 +221,11 @@ def worker_kvbaton(args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         _, stamps = run(prompt, 1)
         prefill.append(PREFILL_LEN / (next(iter(stamps.values()))[0] - t0))
-    _, stamps = run(make_prompts(args.seed, "decode", 1, DECODE_PROMPT, vocab), DECODE_STEPS + 1)
+    decode_steps, stamps = run(make_prompts(args.seed, "decode", 1, DECODE_PROMPT, vocab), DECODE_STEPS + 1)
     times = next(iter(stamps.values()))
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    decode_ms, decode_mean_ms = 1e3 * statistics.median(gaps), 1e3 * statistics.mean(gaps)
+    # per model step (a burst's tokens reach the stamps together: their gaps are not steps)
+    decode_ms = 1e3 * statistics.median(decode_steps)
+    decode_mean_ms = 1e3 * (times[-1] - times[0]) / (len(times) - 1)
     batch_steps, _ = run(make_prompts(args.seed, "batch", BATCH, BATCH_PROMPT, vocab), BATCH_STEPS + 1)
     batch_hits = experts_hit(run, experts, args.seed, vocab)
     log(f"kvbaton {tag}: prefill {statistics.median(prefill):.0f} tok/s, decode b1 {decode_ms:.2f} ms, "
