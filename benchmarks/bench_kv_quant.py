@@ -91,7 +91,8 @@ def section_decode(rng: random.Random, context: int = 4096, batch: int = 4, step
     """Steady-state decode: every request's prompt computed first, then `steps` decode steps timed."""
     out = {}
     for name in ("bf16", "int8", "fp8_e4m3"):
-        llm = LLM(dtype="bfloat16", kv_cache_dtype=name, max_model_len=8192, kv_cache_memory_gb=1.0)
+        # decode_burst=1: each timed engine step is one model step (a burst would run several)
+        llm = LLM(dtype="bfloat16", kv_cache_dtype=name, max_model_len=8192, kv_cache_memory_gb=1.0, decode_burst=1)
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
         for i in range(batch):

@@ -143,8 +143,9 @@ def rank_main(job: dict) -> dict:
         size=size, rank=rank, init_method=f"tcp://127.0.0.1:{job['port']}", int8_dispatch=job["int8"],
         num_redundant_experts=job["redundant"], timeout_s=job["collective_timeout_s"])
     t0 = time.perf_counter()
+    # NOTE: single decode steps for EP1 too (EP ranks never burst): each timed engine step is one model step
     llm = LLM(job["model"], dtype="bfloat16", num_threads=job["threads"], max_model_len=1024,
-              kv_cache_memory_gb=0.25, expert_parallel=ep)
+              kv_cache_memory_gb=0.25, expert_parallel=ep, decode_burst=1)
     init_s = time.perf_counter() - t0
     core = llm.engine.core
     group = core.expert_parallel
