@@ -23,9 +23,10 @@
  *   or a MoE layer's x = sum of w_k expert_k(h)       moe_experts.c: the softmax gate, the experts, the combine
  *
  * Where what comes next plugs in: a tensor-parallel all-reduce after o_proj and down (a callback slot in
- * the stack spec, like `after_layer`); attention/FFN disaggregation splits `run_layer` at the second norm
- * (the attention half here, the FFN half on expert workers); several draft tokens per sequence are rows
- * with their own context lengths (the per-row block table and lengths already allow it).
+ * the stack spec, like `exchange`); attention/FFN disaggregation is a MoE layer's `exchange` (today expert
+ * parallelism's all-to-all, called back after the gate) sending the rows to expert workers instead; several
+ * draft tokens per sequence are rows with their own context lengths (the per-row block table and lengths
+ * already allow it).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -70,6 +71,13 @@ void kvbaton_argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, 
 
 enum { ISA_GENERIC = 0 };                              /* linear_dot.c's */
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_SILU_MUL = 2 };  /* linear_dot.c's and gemm_packed.c's */
+
+/* A MoE layer's exchange with the owners of its experts (expert parallelism today; attention/FFN disaggregation's
+ * expert workers next): the master thread calls it between two barriers with the layer's index, its rows' normed
+ * hidden states h [rows, hidden] bf16, their top-k expert ids [rows, k] int64 and routing weights [rows, k] fp32;
+ * it writes out [rows, hidden] bf16, the rows' combined expert outputs, and returns 0 (nonzero fails the step). */
+typedef int (*MoeExchange)(int64_t layer, int64_t rows, const uint16_t *h, const int64_t *ids, const float *weights,
+                           uint16_t *out);
 
 /* Which kernel computes a linear for a row count: kvbaton.layers.linear's paths, in its order of preference. */
 enum { LIN_NONE = 0, LIN_DOT = 1, LIN_STREAM = 2, LIN_AMX = 3, LIN_PACKED = 4, LIN_PACKED_GATED = 5 };
@@ -118,6 +126,7 @@ typedef struct {
      * Python loop's PyTorch gate would run instead, with other roundings: the loop does not take the step). */
     int64_t num_experts, top_k, moe_intermediate, route_max_rows;
     int32_t norm_topk, route_isa, experts_isa, amx_min_rows;
+    MoeExchange exchange;  /* NULL: every MoE layer's experts are local (the layer's packed stacks) */
 } StackSpec;
 
 static const LinearOption *pick(const LinearSpec *l, int64_t rows) {
@@ -136,6 +145,7 @@ typedef struct {
     int64_t *moe_ids;
     float *moe_weights;
     char *moe_scratch;
+    int32_t *exchange_status;  /* the master's exchange result, shared with the team */
 } Workspace;
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -169,6 +179,7 @@ static int64_t carve(const StackSpec *s, int64_t rows, int64_t max_blocks, char 
     const int64_t moe = s->num_experts ? kvbaton_moe_experts_scratch(rows, (int)s->top_k, s->num_experts, s->hidden,
                                                                      s->moe_intermediate, s->experts_isa) : 0;
     SLICE(moe_scratch, char, (moe + rows - 1) / rows)
+    SLICE(exchange_status, int32_t, 1)
 #undef SLICE
     return off;
 }
@@ -256,22 +267,29 @@ static void write_kv_widen_q(const StackSpec *s, void *kv_cache, const uint16_t 
  * on the same kernels: the gate, then the experts with the combine). Where attention/FFN disaggregation or expert
  * parallelism plugs in: between the two calls, the rows, ids and weights go to the experts' owners (a callback the
  * master thread runs between two barriers) and their combined rows come back into x. */
-static int run_moe(const StackSpec *s, const LayerSpec *l, uint16_t *x, int64_t rows, const Workspace *w) {
+static int run_moe(const StackSpec *s, const LayerSpec *l, int64_t index, uint16_t *x, int64_t rows,
+                   const Workspace *w) {
     const int k = (int)s->top_k;
     int rc = kvbaton_moe_route_team(w->h, l->router, rows, s->hidden, s->num_experts, k, s->norm_topk, s->route_isa,
                                     w->moe_ids, w->moe_weights);
     if (rc) return rc;
+    if (s->exchange) {  /* the route's closing barrier made ids and weights whole; this one makes x whole */
+#pragma omp master
+        *w->exchange_status = s->exchange(index, rows, w->h, w->moe_ids, w->moe_weights, x);
+#pragma omp barrier
+        return *w->exchange_status ? -7 : 0;
+    }
     return kvbaton_moe_experts_team(w->h, w->moe_ids, w->moe_weights, l->experts_gate_up, l->experts_down, x, rows, k,
                                     s->num_experts, s->hidden, s->moe_intermediate, s->experts_isa, s->amx_min_rows,
                                     s->num_threads, w->moe_scratch, l->expert_counts);
 }
 
-static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t *x, uint16_t *residual,
+static int run_layer(const StackSpec *s, const LayerSpec *l, int64_t index, uint16_t *x, uint16_t *residual,
                      const int64_t *positions, const int64_t *slots, const int64_t *block_table, int64_t max_blocks,
                      const int64_t *context_lens, int64_t rows, const Workspace *w) {
     const int threads = s->num_threads;
     const int64_t e = s->hidden, q_width = s->num_heads * s->head_dim, row_width = l->qkv.n;
-    if (first) {  /* no residual yet: it starts as the embeddings (the norm reads x, not residual) */
+    if (index == 0) {  /* no residual yet: it starts as the embeddings (the norm reads x, not residual) */
 #pragma omp single nowait
         memcpy(residual, x, (size_t)(rows * e) * sizeof(uint16_t));
         kvbaton_add_rms_norm_bf16_team(x, NULL, residual, w->h, l->input_norm, rows, e, s->eps);
@@ -296,7 +314,7 @@ static int run_layer(const StackSpec *s, const LayerSpec *l, int first, uint16_t
     narrow(w->attn32, w->attn, rows, q_width);
     if ((rc = linear(s, pick(&l->o, rows), &l->o, w->attn, x, rows, w))) return rc;
     kvbaton_add_rms_norm_bf16_team(x, residual, residual, w->h, l->post_norm, rows, e, s->eps);
-    if (l->router) return run_moe(s, l, x, rows, w);
+    if (l->router) return run_moe(s, l, index, x, rows, w);
     const LinearOption *gate_up = pick(&l->gate_up, rows);
     if (gate_up->kind == LIN_PACKED_GATED) {
         rc = linear(s, gate_up, &l->gate_up, w->h, w->act, rows, w);
@@ -345,7 +363,8 @@ int kvbaton_decode_layers_take(const StackSpec *s, const LayerSpec *layers, int6
  * logits: NULL (the loop stops at the last layer), or [rows, vocab] fp32 for every row's logits (a stack with a
  * head).
  * Returns 0; -1 for a step it does not take (checked before anything is written); -2 for a short workspace;
- * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step);
+ * -3 when a kernel refused midway (the pool may hold this step's K/V of some layers: the caller fails the step),
+ * -7 when a MoE exchange failed midway (likewise);
  * -4 for a position past RoPE's table, -5 for a slot past the pools (checked before anything is written). */
 int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t *x, uint16_t *residual,
                           const int64_t *positions, const int64_t *slots, const int64_t *block_table,
@@ -367,12 +386,12 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
     {
         int rc = 0;
         for (int64_t i = 0; i < s->num_layers && !rc; i++)
-            rc = run_layer(s, &layers[i], i == 0, x, residual, positions, slots, block_table, max_blocks,
+            rc = run_layer(s, &layers[i], i, x, residual, positions, slots, block_table, max_blocks,
                            context_lens, rows, &w);
         if (!rc && logits) rc = run_head(s, x, residual, logits, rows, &w);
         /* every thread got the same code at the same point */
 #pragma omp master
-        status = rc ? -3 : 0;
+        status = rc == -7 ? -7 : rc ? -3 : 0;
     }
     return status;
 }

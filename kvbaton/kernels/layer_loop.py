@@ -20,6 +20,12 @@ KV_FORMATS = {torch.bfloat16: 2, torch.float32: 4}  # the pools the loop writes 
 MAX_HEAD_DIM = 256
 
 
+# decode_layers.c's MoeExchange: (layer, rows, h, ids, weights, out) -> 0, or nonzero to fail the step
+MOE_EXCHANGE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_void_p)
+EXCHANGE_FAILED = -7  # decode_layers.c: a MoE exchange failed midway
+
+
 class LinearOption(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("isa", ctypes.c_int32), ("max_rows", ctypes.c_int64),
                 ("weight", ctypes.c_void_p), ("weight_bytes", ctypes.c_int64), ("bias", ctypes.c_void_p),
@@ -50,7 +56,8 @@ class StackSpec(ctypes.Structure):
                 # the MoE layers' shapes and kernels (num_experts 0: none; route_max_rows 0: every count)
                 ("num_experts", ctypes.c_int64), ("top_k", ctypes.c_int64), ("moe_intermediate", ctypes.c_int64),
                 ("route_max_rows", ctypes.c_int64), ("norm_topk", ctypes.c_int32), ("route_isa", ctypes.c_int32),
-                ("experts_isa", ctypes.c_int32), ("amx_min_rows", ctypes.c_int32)]
+                ("experts_isa", ctypes.c_int32), ("amx_min_rows", ctypes.c_int32),
+                ("exchange", MOE_EXCHANGE)]  # NULL: local experts
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,8 @@ class DecodeLayers:
             raise IndexError(f"a position of {positions.tolist()} is past the RoPE table ({self.stack.max_positions})")
         if rc == -5:
             raise IndexError(f"a slot of {slots.tolist()} is past the KV pool ({self.stack.num_slots})")
+        if rc == EXCHANGE_FAILED:
+            raise RuntimeError(f"a MoE exchange failed in a C layer loop step of {rows} rows")
         if rc != 0:
             raise RuntimeError(f"the C layer loop failed ({rc}) on a step of {rows} rows")
         return residual if out is None else out
@@ -134,6 +143,8 @@ class DecodeLayers:
                              f"({self.stack.num_slots} slots)")
         if rc == -6:
             raise IndexError(f"a token of {tokens.tolist()} (or one the burst sampled) is past the embedding table")
+        if rc == EXCHANGE_FAILED:
+            raise RuntimeError(f"a MoE exchange failed in a C layer loop burst of {steps} steps of {rows} rows")
         if rc != 0:
             raise RuntimeError(f"the C layer loop failed ({rc}) in a burst of {steps} steps of {rows} rows")
         return out

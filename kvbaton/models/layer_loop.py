@@ -6,13 +6,15 @@ The runner builds it at start-up, after the compute plan gave each layer its ker
 activation, a MoE layer's C gate and experts kernels, the C decode attention and the KV pools. A step takes it
 when all its tokens attend as decode queries (a decode batch, or any step of deterministic mode's per-token
 attention) and every linear (and MoE gate) has a C kernel for its row count; any other step, and any model it
-does not describe (shared or expert-parallel experts, sigmoid-scored gates, whole-q/k norms, clamped qkv, latent
-attention, fp32 weights, quantized KV pools, `KVBATON_LAYER_LOOP=0`), runs the Python loop. Both call the same
+does not describe (shared experts, sigmoid-scored gates, whole-q/k norms, clamped qkv, latent attention, fp32
+weights, quantized KV pools, `KVBATON_LAYER_LOOP=0`), runs the Python loop. Expert-parallel MoE layers run in
+it too, their all-to-all called back from the loop (`ExpertExchange`). Both call the same
 kernels in the same order, so they give the same bits (tests/models/test_layer_loop.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -27,6 +29,7 @@ from kvbaton.kernels.layer_loop import (
     LIN_PACKED_GATED,
     LIN_STREAM,
     MAX_HEAD_DIM,
+    MOE_EXCHANGE,
     DecodeLayers,
     KernelChoice,
     LayerSpec,
@@ -45,15 +48,54 @@ log = logging.getLogger(__name__)
 LAYER_LOOP_ENV = "KVBATON_LAYER_LOOP"  # 0: every step through the Python loop (benchmarks compare the two)
 
 
+class ExpertExchange:
+    """The C loop's MoE exchange (decode_layers.c's MoeExchange) for expert-parallel blocks: each MoE layer's rows go
+    through the block's all-to-all dispatcher, as `SparseMoeBlock.forward` sends them, called back from the loop's
+    master thread. The rest of the layer stays in C; every rank still makes the same exchanges in the same order.
+    A failure is kept (`error`) for the caller to raise once the loop returned: an exception cannot cross C."""
+
+    def __init__(self, blocks: dict[int, SparseMoeBlock], hidden: int) -> None:
+        self.blocks = blocks  # by decoder layer index
+        self.hidden = hidden
+        self.error: BaseException | None = None
+        self.callback = MOE_EXCHANGE(self._exchange)  # kept alive as long as the stack points at it
+
+    def _exchange(self, layer: int, rows: int, h: int, ids: int, weights: int, out: int) -> int:
+        try:
+            block = self.blocks[layer]
+            assert block.dispatcher is not None
+            k = block.moe.top_k
+            ids_t = _view(ids, (rows, k), torch.int64)
+            block.expert_token_counts += torch.bincount(ids_t.flatten(), minlength=block.moe.num_experts)
+            combined = block.dispatcher(_view(h, (rows, self.hidden), torch.bfloat16), ids_t,
+                                        _view(weights, (rows, k), torch.float32))
+            _view(out, (rows, self.hidden), torch.bfloat16).copy_(combined)
+            return 0
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller: it cannot unwind through C
+            self.error = exc
+            return 1
+
+    def take_error(self) -> BaseException | None:
+        error, self.error = self.error, None
+        return error
+
+
+def _view(address: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over memory the C loop owns (its workspace), valid during the callback only: no copy."""
+    nbytes = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(address), dtype=dtype).view(shape)
+
+
 class LayerLoop:
     """The C loop over one model's layers and KV pools; `runs` says whether it takes a step."""
 
     def __init__(self, layers: DecodeLayers, kv_caches: list[torch.Tensor], decode_kernel: PagedDecodeKernel,
-                 embed: torch.Tensor) -> None:
+                 embed: torch.Tensor, exchange: ExpertExchange | None = None) -> None:
         self.layers = layers
         self.kv_caches = kv_caches
         self.decode_kernel = decode_kernel
         self.embed = embed  # [V, E] bf16: a burst looks each step's tokens up in C
+        self.exchange = exchange  # expert-parallel MoE layers' exchange, called back from the loop
 
     def runs(self, meta: AttentionMetadata, kv_caches: list[torch.Tensor], rows: int) -> bool:
         # NOTE: after_layer (layer-wise KV sending) needs Python between layers; a prefill worker's steps have it
@@ -76,7 +118,11 @@ class LayerLoop:
         """`steps` greedy decode steps in one C call: tokens, positions [T] of the first step, block_table [T, nb]
         covering the last -> [T, steps] each step's argmax (the bits of as many `logits` calls, each followed by
         the sampler's argmax)."""
-        return self.layers.burst(self.embed, tokens, positions, block_table.contiguous(), steps)
+        try:
+            return self.layers.burst(self.embed, tokens, positions, block_table.contiguous(), steps)
+        except RuntimeError as exc:
+            self._raise_exchange_error(exc)
+            raise
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x: the step's embeddings [T, E], overwritten by the last layer's output -> the residual stream."""
@@ -90,8 +136,18 @@ class LayerLoop:
         table, lens = meta.decode_block_table, meta.decode_context_lens
         assert table is not None and lens is not None, "a decode step carries its block table"
         # NOTE: positions and slots are bounds-checked in C (IndexError), before anything is written
-        return self.layers(x, positions.contiguous(), meta.slot_mapping.contiguous(), table.contiguous(),
-                           lens.contiguous(), logits=logits)
+        try:
+            return self.layers(x, positions.contiguous(), meta.slot_mapping.contiguous(), table.contiguous(),
+                               lens.contiguous(), logits=logits)
+        except RuntimeError as exc:
+            self._raise_exchange_error(exc)
+            raise
+
+    def _raise_exchange_error(self, failure: RuntimeError) -> None:
+        """The exchange's own exception, where an exchange made the loop fail (EP's fault handling needs its type)."""
+        error = self.exchange.take_error() if self.exchange is not None else None
+        if error is not None:
+            raise error from failure
 
 
 def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
@@ -118,14 +174,21 @@ def build_layer_loop(model: torch.nn.Module, kv_caches: list[torch.Tensor], bloc
                       cos=model.rope.cos.data_ptr(), sin=model.rope.sin.data_ptr(),
                       max_positions=model.rope.cos.shape[0], num_slots=kv_caches[0].shape[0])
     _add_head(stack, model, keep)
-    for layer, spec in zip(decoder_layers, layers):
-        if isinstance(layer.mlp, SparseMoeBlock) and spec is not None:
-            _moe_spec(stack, layer.mlp, spec, keep)
+    blocks = {i: layer.mlp for i, layer in enumerate(decoder_layers) if isinstance(layer.mlp, SparseMoeBlock)}
+    for i, block in blocks.items():
+        spec = layers[i]
+        assert spec is not None
+        _moe_spec(stack, block, spec, keep)
+    exchange = None
+    if any(block.dispatcher is not None for block in blocks.values()):
+        exchange = ExpertExchange(blocks, cfg.hidden_size)
+        stack.exchange = exchange.callback
     loop = decode_layers(stack, [s for s in layers if s is not None], keep)
     if loop is None:
         return None
-    log.info("decode steps run the C layer loop (%d layers)", len(layers))
-    return LayerLoop(loop, kv_caches, decode_kernel, model.embed_tokens.weight)
+    log.info("decode steps run the C layer loop (%d layers%s)", len(layers),
+             ", MoE exchanges called back" if exchange is not None else "")
+    return LayerLoop(loop, kv_caches, decode_kernel, model.embed_tokens.weight, exchange)
 
 
 def _add_head(stack: StackSpec, model: LlamaForCausalLM, keep: list[torch.Tensor]) -> None:
@@ -171,11 +234,9 @@ def _why_not(model: torch.nn.Module, kv_caches: list[torch.Tensor],
 def _why_not_moe(block: SparseMoeBlock) -> str | None:
     """Why the loop does not take this MoE block (None: it does): it runs the gate's and the experts' C kernels,
     so the block must use both, and nothing the loop does not do yet."""
-    if block.dispatcher is not None:
-        return "expert-parallel MoE layers exchange tokens from Python"
     if block.shared_experts is not None:
         return "shared experts are not in the loop"
-    if block.gate.kernel is None or block.experts.kernel is None:
+    if block.gate.kernel is None or (block.dispatcher is None and block.experts.kernel is None):
         return "a MoE layer's gate or experts run in PyTorch (sigmoid scoring, shapes or the compute plan)"
     return None
 
@@ -183,13 +244,17 @@ def _why_not_moe(block: SparseMoeBlock) -> str | None:
 def _moe_spec(stack: StackSpec, block: SparseMoeBlock, spec: LayerSpec, keep: list[torch.Tensor]) -> None:
     """The MoE block's gate and experts into the layer's spec, and their shapes and kernels into the stack's."""
     moe, gate, experts = block.moe, block.gate, block.experts
-    assert gate.kernel is not None and experts.kernel is not None
-    keep += [gate.weight, experts.gate_up_proj, experts.down_proj, block.expert_token_counts]
+    assert gate.kernel is not None
+    keep += [gate.weight, block.expert_token_counts]
     spec.router, spec.expert_counts = gate.weight.data_ptr(), block.expert_token_counts.data_ptr()
-    spec.experts_gate_up, spec.experts_down = experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr()
-    stack.num_experts, stack.top_k, stack.moe_intermediate = moe.num_experts, moe.top_k, experts.intermediate_size
-    stack.route_max_rows = gate.kernel.max_rows or 0
+    stack.num_experts, stack.top_k, stack.route_max_rows = moe.num_experts, moe.top_k, gate.kernel.max_rows or 0
     stack.norm_topk, stack.route_isa = int(moe.norm_topk_prob), gate.kernel.isa
+    if block.dispatcher is not None:  # the experts are spread over ranks: the stack's exchange reaches them
+        return
+    assert experts.kernel is not None
+    keep += [experts.gate_up_proj, experts.down_proj]
+    spec.experts_gate_up, spec.experts_down = experts.gate_up_proj.data_ptr(), experts.down_proj.data_ptr()
+    stack.moe_intermediate = experts.intermediate_size
     stack.experts_isa, stack.amx_min_rows = experts.kernel.isa, experts.kernel.amx_min_rows
 
 

@@ -5,6 +5,7 @@ and prints, as JSON, each set's greedy outputs and the token-expert pairs this r
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from kvbaton import LLM, SamplingParams
@@ -13,6 +14,7 @@ from kvbaton.config import ExpertParallelConfig
 
 def main() -> None:
     job = json.loads(sys.argv[1])
+    os.environ.update(job.get("env", {}))
     ep = ExpertParallelConfig(size=job["size"], rank=job["rank"], init_method=f"tcp://127.0.0.1:{job['port']}",
                               int8_dispatch=job.get("int8", False), num_redundant_experts=job.get("redundant", 0),
                               timeout_s=30)
@@ -22,6 +24,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=job["max_tokens"], ignore_eos=True)
     if job.get("fault_token") is not None:
         _inject_fault(llm, job["fault_token"])
+    loop_steps = _count_loop_steps(llm)
     results = []
     for prompts in job["prompt_sets"]:
         before = group.rows_computed
@@ -34,8 +37,22 @@ def main() -> None:
     llm.engine.check_integrity()
     on_kernel = sum(layer.block.experts.kernel is not None for layer in group.rebalancer.layers)
     print(json.dumps({"sets": results, "bytes_sent": group.bytes_sent, "rebalances": group.rebalancer.rebalances,
-                      "layers_on_kernel": on_kernel}))
+                      "layers_on_kernel": on_kernel, "c_loop_steps": loop_steps[0]}))
     group.close()
+
+
+def _count_loop_steps(llm: LLM) -> list[int]:
+    """[steps whose logits the C layer loop computed], counted as they run (0 without the loop)."""
+    loop, count = llm.engine.core.runner.model.layer_loop, [0]
+    if loop is not None:
+        logits = loop.logits
+
+        def counted(*args):
+            count[0] += 1
+            return logits(*args)
+
+        loop.logits = counted
+    return count
 
 
 def _inject_fault(llm: LLM, token: int) -> None:

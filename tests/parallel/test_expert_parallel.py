@@ -195,3 +195,15 @@ def test_eplb_in_bf16_keeps_the_moe_kernel_and_its_outputs(tmp_path):
     agree = sum(a == b for a, b in zip(before, after)) / len(before)
     print(f"bf16 EPLB: {agree:.3f} of the greedy tokens equal before and after rebalancing")
     assert agree >= 0.9
+
+
+def test_bf16_ranks_decode_in_the_c_loop_with_the_python_loops_tokens(ep_models):
+    """bf16 ranks run their decode steps in the C layer loop, each MoE layer's exchange called back from it through
+    the same all-to-all dispatcher: the same greedy tokens as the Python loop's (KVBATON_LAYER_LOOP=0), uneven
+    shares included (a rank out of requests joins the others' exchanges from Python)."""
+    shares = _uneven_shares(_prompts(5, seed=31), 2)
+    runs = {env: _run_group(ep_models["qwen3_moe"], shares, dtype="bfloat16", env={"KVBATON_LAYER_LOOP": env})
+            for env in ("1", "0")}
+    assert all(r["c_loop_steps"] > 0 for r in runs["1"]), "a rank's decode steps did not run the C loop"
+    assert all(r["c_loop_steps"] == 0 for r in runs["0"])
+    assert _outputs(runs["1"]) == _outputs(runs["0"])
