@@ -15,7 +15,7 @@ from kvbaton.models.layer_loop import LayerLoop
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
 from tests.models.test_layer_loop import PATHS
-from tests.support.helpers import tiny_prompts
+from tests.support.helpers import TINY_POOL_GB, tiny_prompts
 
 
 class CountingBursts:
@@ -48,8 +48,8 @@ def test_a_burst_gives_the_tokens_of_single_steps(tiny_models, path, determinist
         choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
     except ConfigError as exc:
         pytest.skip(f"this CPU cannot run it: {exc}")
-    kwargs = {"dtype": "bfloat16", "block_size": 8, "compute_path": path, "deterministic": deterministic,
-              "enable_prefix_caching": False}
+    kwargs = {"dtype": "bfloat16", "block_size": 8, "kv_cache_memory_gb": TINY_POOL_GB, "compute_path": path,
+              "deterministic": deterministic, "enable_prefix_caching": False}
     prompts = tiny_prompts(11, [9, 30, 17, 5])
     single = LLM(str(tiny_models["llama"]), decode_burst=1, **kwargs)
     want = generate(single, prompts, max_tokens=14, ignore_eos=True)
@@ -72,7 +72,7 @@ def test_a_burst_gives_the_tokens_of_single_steps(tiny_models, path, determinist
 
 
 def test_a_burst_out_of_bounds_is_refused(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB)
     loop = llm.engine.core.runner.model.layer_loop
     assert isinstance(loop, LayerLoop)
     pools = [p.clone() for p in loop.kv_caches]

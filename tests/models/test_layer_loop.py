@@ -16,7 +16,7 @@ from kvbaton.layers.attention import AttentionMetadata
 from kvbaton.models.layer_loop import LAYER_LOOP_ENV, LayerLoop
 from kvbaton.platform.compute import choose_compute_plan
 from kvbaton.platform.cpu import detect_cpu
-from tests.support.helpers import build_tiny_moe_checkpoint, tiny_prompts
+from tests.support.helpers import TINY_POOL_GB, build_tiny_moe_checkpoint, tiny_prompts
 
 PATHS = [pytest.param(p, d, id=p + ("-deterministic" if d else "")) for p in ("amx", "avx512-bf16", "avx2")
          for d in (False, True)]
@@ -60,8 +60,8 @@ def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, determi
         pytest.skip(f"this CPU cannot run it: {exc}")
     # NOTE: no prefix caching: the second run's prompts would reuse the first's blocks, and a prompt step over a
     # cached prefix attends differently (SDPA over a masked context) from a whole prompt's
-    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", block_size=8, compute_path=path, deterministic=deterministic,
-              enable_prefix_caching=False)
+    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB,
+              compute_path=path, deterministic=deterministic, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     assert isinstance(model.layer_loop, LayerLoop)
     counting = CountingLoop(model.layer_loop)
@@ -83,7 +83,7 @@ def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, determi
 
 def tiny_llama_with_loop(tiny_models) -> tuple[LLM, torch.nn.Module, LayerLoop]:
     """A bf16 tiny Llama on this machine's default compute path, whose every row builds the C loop."""
-    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8)
+    llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB)
     model = llm.engine.core.runner.model
     assert isinstance(model.layer_loop, LayerLoop), "every compute path's default plan builds the C loop"
     return llm, model, model.layer_loop
@@ -102,7 +102,7 @@ def test_steps_it_does_not_take_run_the_python_loop(tiny_models):
 
 @pytest.mark.parametrize("case", ["fp32", "int8-kv", "env"])
 def test_models_it_does_not_describe_keep_the_python_loop(tiny_models, monkeypatch, case):
-    kwargs: dict = {"dtype": "bfloat16", "block_size": 8}
+    kwargs: dict = {"dtype": "bfloat16", "block_size": 8, "kv_cache_memory_gb": TINY_POOL_GB}
     arch = "llama"
     if case == "fp32":
         kwargs["dtype"] = "float32"
@@ -137,8 +137,8 @@ def test_moe_layers_run_in_the_c_loop_with_the_python_loops_bits(loop_moe_models
         choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
     except ConfigError as exc:
         pytest.skip(f"this CPU cannot run it: {exc}")
-    llm = LLM(str(loop_moe_models[arch]), dtype="bfloat16", block_size=8, compute_path=path,
-              deterministic=deterministic, enable_prefix_caching=False)
+    llm = LLM(str(loop_moe_models[arch]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB,
+              compute_path=path, deterministic=deterministic, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     assert isinstance(model.layer_loop, LayerLoop), "the C loop takes the MoE layers"
     counting = CountingLoop(model.layer_loop)
@@ -159,7 +159,7 @@ def test_moe_models_it_does_not_describe_keep_the_python_loop(tiny_moe_models):
     # Qwen2-MoE: a gated shared expert; OLMoE: whole-q/k norms and clip_qkv; the tiny Mixtral: intermediate 48,
     # which the tile-layout experts kernels refuse (the avx2 one takes it)
     for arch in ("qwen2_moe", "olmoe", "mixtral"):
-        llm = LLM(str(tiny_moe_models[arch]), dtype="bfloat16", block_size=8)
+        llm = LLM(str(tiny_moe_models[arch]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB)
         loop = llm.engine.core.runner.model.layer_loop
         assert loop is None or (arch == "mixtral" and llm.engine.core.compute_plan.path == "avx2")
 

@@ -136,6 +136,9 @@ def greedy(llm, max_tokens: int, prompts: list[list[int]]) -> list[list[int]]:
 
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+# A tiny model's KV pool for tests that build many engines: the default 1 GiB holds ~170k blocks of a tiny model,
+# whose bookkeeping alone is ~50 MiB of Python objects per engine (the suite runs near its 2 GiB per process).
+TINY_POOL_GB = 0.05
 
 
 def build_tiny_moe_checkpoint(arch: str, out_dir: Path, seed: int = 0, **overrides: object) -> Path:
