@@ -73,7 +73,8 @@ enum { ISA_GENERIC = 0 };                              /* linear_dot.c's */
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_SILU_MUL = 2 };  /* linear_dot.c's and gemm_packed.c's */
 
 /* A MoE layer's exchange with the owners of its experts (expert parallelism today; attention/FFN disaggregation's
- * expert workers next): the master thread calls it between two barriers with the layer's index, its rows' normed
+ * expert workers next): called by the loop's own thread between two parallel regions (so whatever it runs has the
+ * machine's threads: an exchange computes the experts that live here too) with the layer's index, its rows' normed
  * hidden states h [rows, hidden] bf16, their top-k expert ids [rows, k] int64 and routing weights [rows, k] fp32;
  * it writes out [rows, hidden] bf16, the rows' combined expert outputs, and returns 0 (nonzero fails the step). */
 typedef int (*MoeExchange)(int64_t layer, int64_t rows, const uint16_t *h, const int64_t *ids, const float *weights,
@@ -145,7 +146,6 @@ typedef struct {
     int64_t *moe_ids;
     float *moe_weights;
     char *moe_scratch;
-    int32_t *exchange_status;  /* the master's exchange result, shared with the team */
 } Workspace;
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
@@ -179,7 +179,6 @@ static int64_t carve(const StackSpec *s, int64_t rows, int64_t max_blocks, char 
     const int64_t moe = s->num_experts ? kvbaton_moe_experts_scratch(rows, (int)s->top_k, s->num_experts, s->hidden,
                                                                      s->moe_intermediate, s->experts_isa) : 0;
     SLICE(moe_scratch, char, (moe + rows - 1) / rows)
-    SLICE(exchange_status, int32_t, 1)
 #undef SLICE
     return off;
 }
@@ -263,22 +262,20 @@ static void write_kv_widen_q(const StackSpec *s, void *kv_cache, const uint16_t 
     }
 }
 
+/* run_layer's code for a MoE layer whose exchange is due: the team's region ends there, the caller exchanges. */
+#define EXCHANGE_PENDING 1
+
 /* A MoE layer's FFN on h: x = the routing-weighted sum of each row's top-k experts (the calls SparseMoeBlock makes
- * on the same kernels: the gate, then the experts with the combine). Where attention/FFN disaggregation or expert
- * parallelism plugs in: between the two calls, the rows, ids and weights go to the experts' owners (a callback the
- * master thread runs between two barriers) and their combined rows come back into x. */
-static int run_moe(const StackSpec *s, const LayerSpec *l, int64_t index, uint16_t *x, int64_t rows,
-                   const Workspace *w) {
+ * on the same kernels: the gate, then the experts with the combine). Where expert parallelism (and next,
+ * attention/FFN disaggregation) plugs in: after the gate, the rows, ids and weights go to the experts' owners
+ * through the stack's exchange, which kvbaton_decode_layers calls between two parallel regions, and their
+ * combined rows come back into x. */
+static int run_moe(const StackSpec *s, const LayerSpec *l, uint16_t *x, int64_t rows, const Workspace *w) {
     const int k = (int)s->top_k;
     int rc = kvbaton_moe_route_team(w->h, l->router, rows, s->hidden, s->num_experts, k, s->norm_topk, s->route_isa,
                                     w->moe_ids, w->moe_weights);
     if (rc) return rc;
-    if (s->exchange) {  /* the route's closing barrier made ids and weights whole; this one makes x whole */
-#pragma omp master
-        *w->exchange_status = s->exchange(index, rows, w->h, w->moe_ids, w->moe_weights, x);
-#pragma omp barrier
-        return *w->exchange_status ? -7 : 0;
-    }
+    if (s->exchange) return EXCHANGE_PENDING;  /* the route's closing barrier made ids and weights whole */
     return kvbaton_moe_experts_team(w->h, w->moe_ids, w->moe_weights, l->experts_gate_up, l->experts_down, x, rows, k,
                                     s->num_experts, s->hidden, s->moe_intermediate, s->experts_isa, s->amx_min_rows,
                                     s->num_threads, w->moe_scratch, l->expert_counts);
@@ -314,7 +311,7 @@ static int run_layer(const StackSpec *s, const LayerSpec *l, int64_t index, uint
     narrow(w->attn32, w->attn, rows, q_width);
     if ((rc = linear(s, pick(&l->o, rows), &l->o, w->attn, x, rows, w))) return rc;
     kvbaton_add_rms_norm_bf16_team(x, residual, residual, w->h, l->post_norm, rows, e, s->eps);
-    if (l->router) return run_moe(s, l, index, x, rows, w);
+    if (l->router) return run_moe(s, l, x, rows, w);
     const LinearOption *gate_up = pick(&l->gate_up, rows);
     if (gate_up->kind == LIN_PACKED_GATED) {
         rc = linear(s, gate_up, &l->gate_up, w->h, w->act, rows, w);
@@ -381,17 +378,37 @@ int kvbaton_decode_layers(const StackSpec *s, const LayerSpec *layers, uint16_t 
     Workspace w;
     carve(s, rows, max_blocks, (char *)workspace, &w);
     int status = 0;
-    /* One parallel region for the whole step: no fork and join per kernel (team.h). */
+    /* One parallel region for the whole step (no fork and join per kernel, team.h), except that a MoE layer's
+     * exchange ends it: the exchange runs on this thread alone, outside any region, and the next region goes on
+     * from the following layer. */
+    for (int64_t first = 0; first < s->num_layers && !status;) {
+        int64_t pending = -1;  /* the layer whose exchange ended the region */
 #pragma omp parallel num_threads(s->num_threads)
-    {
-        int rc = 0;
-        for (int64_t i = 0; i < s->num_layers && !rc; i++)
-            rc = run_layer(s, &layers[i], i, x, residual, positions, slots, block_table, max_blocks,
-                           context_lens, rows, &w);
-        if (!rc && logits) rc = run_head(s, x, residual, logits, rows, &w);
-        /* every thread got the same code at the same point */
+        {
+            int rc = 0;
+            int64_t i = first;
+            for (; i < s->num_layers && !rc; i++)
+                rc = run_layer(s, &layers[i], i, x, residual, positions, slots, block_table, max_blocks,
+                               context_lens, rows, &w);
+            if (!rc && logits) rc = run_head(s, x, residual, logits, rows, &w);
+            /* every thread got the same code at the same point */
 #pragma omp master
-        status = rc == -7 ? -7 : rc ? -3 : 0;
+            {
+                if (rc == EXCHANGE_PENDING) pending = i - 1;
+                else status = rc ? -3 : 0;
+            }
+        }
+        if (pending < 0) break;
+        if (s->exchange(pending, rows, w.h, w.moe_ids, w.moe_weights, x)) status = -7;
+        first = pending + 1;
+        if (first == s->num_layers && !status && logits) {  /* the last layer exchanged: the head alone */
+#pragma omp parallel num_threads(s->num_threads)
+            {
+                const int rc = run_head(s, x, residual, logits, rows, &w);
+#pragma omp master
+                status = rc ? -3 : 0;
+            }
+        }
     }
     return status;
 }

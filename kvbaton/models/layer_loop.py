@@ -51,7 +51,8 @@ LAYER_LOOP_ENV = "KVBATON_LAYER_LOOP"  # 0: every step through the Python loop (
 class ExpertExchange:
     """The C loop's MoE exchange (decode_layers.c's MoeExchange) for expert-parallel blocks: each MoE layer's rows go
     through the block's all-to-all dispatcher, as `SparseMoeBlock.forward` sends them, called back from the loop's
-    master thread. The rest of the layer stays in C; every rank still makes the same exchanges in the same order.
+    thread between two of its parallel regions (so the local experts and torch keep every thread). The rest of the
+    layer stays in C; every rank still makes the same exchanges in the same order.
     A failure is kept (`error`) for the caller to raise once the loop returned: an exception cannot cross C."""
 
     def __init__(self, blocks: dict[int, SparseMoeBlock], hidden: int) -> None:
