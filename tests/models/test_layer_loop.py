@@ -50,22 +50,29 @@ def generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list]]
     return [(list(o.outputs[0].token_ids), list(o.outputs[0].logprobs)) for o in outs]
 
 
-@pytest.mark.parametrize("path, deterministic", PATHS)
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])  # untied; q/k/v biases, tied; Llama-3 RoPE;
-# per-head q/k norms
-def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, deterministic):
+def engine_with_counted_loop(model_dir: Path, path: str, deterministic: bool,
+                             ) -> tuple[LLM, torch.nn.Module, CountingLoop]:
+    """A bf16 engine on a compute path (skipped where this CPU cannot run it) whose C loop counts its steps."""
     try:
         choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
     except ConfigError as exc:
         pytest.skip(f"this CPU cannot run it: {exc}")
     # NOTE: no prefix caching: the second run's prompts would reuse the first's blocks, and a prompt step over a
     # cached prefix attends differently (SDPA over a masked context) from a whole prompt's
-    llm = LLM(str(tiny_models[arch]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB,
-              compute_path=path, deterministic=deterministic, enable_prefix_caching=False)
+    llm = LLM(str(model_dir), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB, compute_path=path,
+              deterministic=deterministic, enable_prefix_caching=False)
     model = llm.engine.core.runner.model
-    assert isinstance(model.layer_loop, LayerLoop)
+    assert isinstance(model.layer_loop, LayerLoop), "the C loop takes this model"
     counting = CountingLoop(model.layer_loop)
     model.layer_loop = counting
+    return llm, model, counting
+
+
+@pytest.mark.parametrize("path, deterministic", PATHS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3", "qwen3"])  # untied; q/k/v biases, tied; Llama-3 RoPE;
+# per-head q/k norms
+def test_the_c_loop_gives_the_python_loops_bits(tiny_models, arch, path, deterministic):
+    llm, model, counting = engine_with_counted_loop(tiny_models[arch], path, deterministic)
     # decode batches of 16 rows (the most the avx512-bf16 row's dot kernel takes), then fewer as requests finish
     prompts = tiny_prompts(3, [9, 30, 17, *range(4, 30, 2)])
     with_loop = generate(llm, prompts)
@@ -133,16 +140,7 @@ def expert_totals(llm: LLM) -> torch.Tensor:
 @pytest.mark.parametrize("path, deterministic", PATHS)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_moe_layers_run_in_the_c_loop_with_the_python_loops_bits(loop_moe_models, arch, path, deterministic):
-    try:
-        choose_compute_plan(detect_cpu(), "bfloat16", path, deterministic, amx_granted=amx_enabled())
-    except ConfigError as exc:
-        pytest.skip(f"this CPU cannot run it: {exc}")
-    llm = LLM(str(loop_moe_models[arch]), dtype="bfloat16", block_size=8, kv_cache_memory_gb=TINY_POOL_GB,
-              compute_path=path, deterministic=deterministic, enable_prefix_caching=False)
-    model = llm.engine.core.runner.model
-    assert isinstance(model.layer_loop, LayerLoop), "the C loop takes the MoE layers"
-    counting = CountingLoop(model.layer_loop)
-    model.layer_loop = counting
+    llm, model, counting = engine_with_counted_loop(loop_moe_models[arch], path, deterministic)
     prompts = tiny_prompts(4, [9, 30, 17, 5, 12])
     before = expert_totals(llm)
     with_loop = generate(llm, prompts)
