@@ -115,10 +115,7 @@ class DecodeLayers:
             raise IndexError(f"a position of {positions.tolist()} is past the RoPE table ({self.stack.max_positions})")
         if rc == -5:
             raise IndexError(f"a slot of {slots.tolist()} is past the KV pool ({self.stack.num_slots})")
-        if rc == EXCHANGE_FAILED:
-            raise RuntimeError(f"a MoE exchange failed in a C layer loop step of {rows} rows")
-        if rc != 0:
-            raise RuntimeError(f"the C layer loop failed ({rc}) on a step of {rows} rows")
+        _raise_failure(rc, f"a step of {rows} rows")
         return residual if out is None else out
 
     def burst(self, embed: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
@@ -143,10 +140,7 @@ class DecodeLayers:
                              f"({self.stack.num_slots} slots)")
         if rc == -6:
             raise IndexError(f"a token of {tokens.tolist()} (or one the burst sampled) is past the embedding table")
-        if rc == EXCHANGE_FAILED:
-            raise RuntimeError(f"a MoE exchange failed in a C layer loop burst of {steps} steps of {rows} rows")
-        if rc != 0:
-            raise RuntimeError(f"the C layer loop failed ({rc}) in a burst of {steps} steps of {rows} rows")
+        _raise_failure(rc, f"a burst of {steps} steps of {rows} rows")
         return out
 
     def _workspace_for(self, rows: int, max_blocks: int) -> tuple[int, int]:
@@ -156,6 +150,14 @@ class DecodeLayers:
             self._workspace = torch.empty(need + 64, dtype=torch.uint8)
         workspace = self._workspace.data_ptr()
         return workspace + (-workspace % 64), self._workspace.numel() - 64
+
+
+def _raise_failure(rc: int, what: str) -> None:
+    """The loop's codes past its bounds checks: a MoE exchange, or a kernel, that failed midway through `what`."""
+    if rc == EXCHANGE_FAILED:
+        raise RuntimeError(f"a MoE exchange failed in a C layer loop's {what}")
+    if rc != 0:
+        raise RuntimeError(f"the C layer loop failed ({rc}) in {what}")
 
 
 def linear_spec(choices: list[KernelChoice], n: int, k: int, keep: list[torch.Tensor]) -> LinearSpec:
