@@ -396,6 +396,28 @@ class ExpertParallelConfig:
             raise ConfigError(f"balance objective must be tokens or active_experts, not {self.balance_objective!r}")
 
 
+@dataclass(frozen=True)
+class AttentionFFNConfig:
+    """Attention/FFN disaggregation (AFD): this engine is attention worker `index` of its deployment; every MoE
+    layer's routed experts live in an expert pool of separate expert workers (`experts`: their exchange
+    addresses, in pool-rank order), to which each layer's rows go and from which their outputs come back. A
+    decode step's batch runs as `micro_batches` micro-batches in a ping-pong: while the experts compute one,
+    attention computes the next."""
+
+    experts: tuple[str, ...]  # tcp://host:port of each expert worker's exchange socket
+    index: int = 0  # this attention worker's index (spreads its tokens over a hot expert's copies)
+    micro_batches: int = 1
+    timeout_s: float = 30.0  # an expert worker silent for this long fails the step (it died)
+
+    def __post_init__(self) -> None:
+        if not self.experts:
+            raise ConfigError("attention/FFN disaggregation needs at least one expert worker")
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro-batches must be >= 1, not {self.micro_batches}")
+        if self.timeout_s <= 0 or self.index < 0:
+            raise ConfigError("the expert pool's timeout must be positive and the attention index >= 0")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Everything one engine needs; `max_model_len` is resolved against the model."""
@@ -413,6 +435,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_store: KVStoreConfig = field(default_factory=KVStoreConfig)
     expert_parallel: ExpertParallelConfig | None = None
+    attention_ffn: AttentionFFNConfig | None = None  # this engine attends; its MoE layers' experts live elsewhere
     expert_load_window_steps: int = 1000  # MoE: the expert load statistics (and EPLB) cover this many steps
     step_trace_dir: str | None = None  # each step's shape and seconds, appended to <dir>/steps-<pid>.jsonl
 
@@ -421,6 +444,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, not {self.dtype!r}")
         if self.expert_load_window_steps < 1:
             raise ConfigError("expert_load_window_steps must be >= 1")
+        if self.attention_ffn is not None and self.expert_parallel is not None:
+            raise ConfigError("an attention worker's experts live in its expert pool: expert parallelism is the "
+                              "pool's (--expert-workers), not the attention worker's")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError("max_model_len must be >= 1")
         if self.deterministic and self.compile:

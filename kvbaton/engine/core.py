@@ -24,21 +24,19 @@ from kvbaton.engine.structured.admission import GrammarAdmission
 from kvbaton.engine.structured.grammar import GrammarCompiler
 from kvbaton.engine.structured.matchers import GrammarMatchers
 from kvbaton.engine.transfers import KVHandoff, Reservation
-from kvbaton.kernels import cpu_kernels
 from kvbaton.kernels.build import sources_digest
-from kvbaton.kernels.linear import amx_enabled
 from kvbaton.kernels.pack_cache import PACK_CACHE_ENV, PackCache, pack_key
 from kvbaton.kv.connectors import ConnectorConfig, make_receiver, make_sender, pool_allocator
 from kvbaton.kv.hashing import BlockHash
 from kvbaton.kv.layout import QUANTIZED, KVLayout
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.store.factory import build_store
-from kvbaton.layers.compute_paths import apply_compute_plan
+from kvbaton.layers.compute_paths import apply_compute_plan, plan_compute
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
+from kvbaton.parallel.afd.client import ExpertPoolClient
 from kvbaton.parallel.expert_parallel import ExpertParallelGroup
 from kvbaton.parallel.expert_stats import ExpertStats
-from kvbaton.platform.compute import ComputePlan, choose_compute_plan
 from kvbaton.platform.cpu import FEATURES, detect_cpu
 from kvbaton.platform.startup import StartupClock
 from kvbaton.sched.info import DecodeStepTimes, EngineInfo, EngineStats, ExpertLoad, validate_request
@@ -55,6 +53,7 @@ from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.sched.scheduler import Scheduler
 from kvbaton.sched.step_shape import StepShape
 from kvbaton.sched.step_trace import StepTrace
+from kvbaton.wire import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class EngineCore:
             raise ConfigError(f"--deterministic runs attention through kvbaton's batch-invariant C kernel, which reads "
                               f"per-head K and V; {self.model_config.architecture}'s multi-head latent attention "
                               "has none (its attention is PyTorch's): leave --deterministic off")
-        self.compute_plan = self._choose_compute_plan()
+        self.compute_plan = plan_compute(self.dtype, config.compute_path, config.deterministic, config.kernels)
         clock.lap("config")
         model = load_model(model_dir, self.dtype, max_model_len)
         clock.lap("weights")
@@ -140,6 +139,9 @@ class EngineCore:
         self.expert_parallel = self._join_expert_parallel(model_dir)
         if self.expert_parallel is not None:
             clock.lap("expert parallel")  # its rendezvous and shard
+        self.expert_pool = self._join_expert_pool(model)
+        if self.expert_pool is not None:
+            clock.lap("expert pool")
         apply_compute_plan(model, self.compute_plan, self._pack_cache(model_dir))
         clock.lap("compute plan")
         num_blocks = config.cache.num_blocks or max(
@@ -158,6 +160,9 @@ class EngineCore:
         self._write_through = self.store is not None and not write_back
         scheduler_config = config.scheduler
         if self.expert_parallel is not None:  # every rank runs each step's MoE exchange: steps stay in lockstep
+            scheduler_config = dataclasses.replace(scheduler_config, decode_burst=1)
+        if config.attention_ffn is not None and config.attention_ffn.micro_batches > 1:
+            # NOTE: a burst runs in the C layer loop, whose exchanges take the whole batch: no ping-pong there yet
             scheduler_config = dataclasses.replace(scheduler_config, decode_burst=1)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, max_model_len, self.store,
                                    background_loads=config.kv_store.background_loads)
@@ -207,6 +212,28 @@ class EngineCore:
         group.shard(self.expert_stats, model_dir, self.model_config.hidden_size)
         return group
 
+    def _join_expert_pool(self, model: torch.nn.Module) -> ExpertPoolClient | None:
+        """An attention worker's expert pool (attention/FFN disaggregation): connect to its expert workers, learn
+        their placement, and send every MoE layer's routed experts there (their weights here are freed)."""
+        afd = self.config.attention_ffn
+        if afd is None:
+            return None
+        if self.expert_stats is None:
+            raise ConfigError("attention/FFN disaggregation needs a model with sparse-expert (MoE) layers")
+        secret = os.environ.get(SECRET_ENV)
+        if not secret:
+            raise ConfigError(f"an attention worker signs its exchanges with the cluster secret: set {SECRET_ENV} "
+                              "(the expert workers' too)")
+        layers = self.expert_stats.layers
+        moe = layers[0].block.moe
+        pool = ExpertPoolClient(afd, secret.encode(), f"attention-{afd.index}", self.model_config.hidden_size,
+                                self.dtype, moe.num_experts, [layer.index for layer in layers],
+                                max_rows=self.config.scheduler.max_num_batched_tokens * moe.top_k)
+        for layer in layers:
+            layer.block.use_remote_experts(pool.dispatcher(layer.index))
+        model.micro_batches = afd.micro_batches  # type: ignore[assignment]
+        return pool
+
     def prefault_kv_pools(self) -> None:
         """Back the KV pools with memory now (`KVPools.prefault`): a served worker's, once it serves."""
         if not self.runner.pools.prefault():
@@ -219,15 +246,6 @@ class EngineCore:
             return None
         extra = {"dtype": str(self.dtype), "expert_parallel": repr(self.config.expert_parallel)}
         return PackCache.for_model(model_dir, pack_key(model_dir, self.compute_plan.summary(), sources_digest(), extra))
-
-    def _choose_compute_plan(self) -> ComputePlan:
-        cpu = detect_cpu()
-        kernels = self.config.kernels and (self.config.compute_path == "torch" or cpu_kernels() is not None)
-        amx = kernels and cpu.amx_bf16 and amx_enabled()
-        plan = choose_compute_plan(cpu, str(self.dtype).removeprefix("torch."), self.config.compute_path,
-                                   self.config.deterministic, kernels_available=kernels, amx_granted=amx)
-        logger.info("compute path %s; CPU %s", plan.summary(), cpu.summary())
-        return plan
 
     def _allocate_pools(self, num_blocks: int, transfer: KVTransferConfig | None) -> KVPools:
         """A sending transport may want the pools in shared memory."""
@@ -413,3 +431,5 @@ class EngineCore:
         self.grammars.close()
         if self.step_trace is not None:
             self.step_trace.close()
+        if self.expert_pool is not None:
+            self.expert_pool.close()

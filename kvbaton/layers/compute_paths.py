@@ -15,6 +15,7 @@ from torch import nn
 from kvbaton.config import ConfigError
 from kvbaton.kernels import (
     add_rms_norm_kernel,
+    cpu_kernels,
     dot_linear,
     heads_rms_norm_kernel,
     pack_amx,
@@ -22,7 +23,7 @@ from kvbaton.kernels import (
     small_batch_linear,
 )
 from kvbaton.kernels.activation import silu_mul_kernel
-from kvbaton.kernels.linear import DotLinear, Packer, SmallBatchLinear, pack_now
+from kvbaton.kernels.linear import DotLinear, Packer, SmallBatchLinear, amx_enabled, pack_now
 from kvbaton.kernels.moe import (
     GATE_MAX_ROWS,
     ISA_AMX,
@@ -41,7 +42,8 @@ from kvbaton.layers.moe.experts import GroupedExperts
 from kvbaton.layers.moe.gate import TopKGate
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding
-from kvbaton.platform.compute import ComputePlan
+from kvbaton.platform.compute import ComputePlan, choose_compute_plan
+from kvbaton.platform.cpu import detect_cpu
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
     silu_mul = silu_mul_kernel() if plan.norm == "c" else None
     rope = rope_kernel() if plan.norm == "c" else None  # and the C RoPE, which that loop uses too
     gated = set()  # gate/up projections computed by their MLP's fused kernel: no plain packed copy
-    moe_kernel = _moe_kernel(plan)
+    moe_kernel = moe_kernel_of(plan)
     # the gate: up to GATE_MAX_ROWS tokens (PyTorch beyond), every count in deterministic mode (batch-invariant)
     route_kernel = None if moe_kernel is None else moe_route_kernel(moe_kernel.isa, None if plan.deterministic
                                                                     else GATE_MAX_ROWS)
@@ -97,7 +99,7 @@ def apply_compute_plan(model: nn.Module, plan: ComputePlan, cache: PackCache | N
             suits = norm_kernel is not None and norm_kernel.supports_weight(module.weight)
             module.kernel = norm_kernel if suits else None
             module.heads = heads_norm if suits else None
-        elif isinstance(module, GroupedExperts) and module.kernel is None:
+        elif isinstance(module, GroupedExperts) and module.kernel is None and module.num_experts:
             if moe_kernel is not None and moe_kernel.supports(module.gate_up_proj, module.down_proj):
                 module.use_kernel(moe_kernel)
                 moe_layers += 1
@@ -123,7 +125,20 @@ def _packers(cache: PackCache | None) -> Callable[[str], Packer]:
     return lambda name: functools.partial(cache.get, name)
 
 
-def _moe_kernel(plan: ComputePlan) -> MoEExpertsKernel | None:
+def plan_compute(dtype: torch.dtype, compute_path: str = "auto", deterministic: bool = False,
+                 kernels: bool = True) -> ComputePlan:
+    """The compute plan of this CPU for a model in `dtype` (an engine's, or an expert worker's experts')."""
+    cpu = detect_cpu()
+    kernels = kernels and (compute_path == "torch" or cpu_kernels() is not None)
+    amx = kernels and cpu.amx_bf16 and amx_enabled()
+    plan = choose_compute_plan(cpu, str(dtype).removeprefix("torch."), compute_path, deterministic,
+                               kernels_available=kernels, amx_granted=amx)
+    log.info("compute path %s; CPU %s", plan.summary(), cpu.summary())
+    return plan
+
+
+def moe_kernel_of(plan: ComputePlan) -> MoEExpertsKernel | None:
+    """The routed experts' C kernel the plan gives bf16 MoE layers (None: PyTorch's loop)."""
     isa = MOE_KERNEL_ISA.get(plan.path)
     if plan.dtype != "bfloat16" or isa is None or os.environ.get(MOE_KERNEL_ENV, "1") == "0":
         return None

@@ -13,6 +13,7 @@ from kvbaton.layers.attention import AttentionMetadata
 from kvbaton.layers.linear import Linear
 from kvbaton.layers.norm import RMSNorm
 from kvbaton.layers.rope import RotaryEmbedding
+from kvbaton.models.ping_pong import run_micro_batched, takes
 
 KVCache = torch.Tensor  # one layer's pool (its shape: the family's KV layout)
 
@@ -41,6 +42,8 @@ class DecoderStack(nn.Module):
     a step the `layer_loop` takes (set by the runner) runs all layers in one call instead."""
 
     layer_loop: LayerLoop | None = None
+    # an attention worker's (attention/FFN disaggregation): decode steps in this many ping-pong micro-batches
+    micro_batches: int = 1
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, layers: list[nn.Module]) -> None:
         super().__init__()
@@ -61,7 +64,10 @@ class DecoderStack(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, E]
         loop = self.layer_loop
         residual: torch.Tensor | None = None
-        if loop is not None and loop.runs(meta, kv_caches, x.shape[0]):
+        if takes(meta, x.shape[0], self.micro_batches):  # the experts are elsewhere: take turns with them
+            x, residual = run_micro_batched(list(self.layers), self.rope, x, positions, kv_caches, meta,
+                                            self.micro_batches)
+        elif loop is not None and loop.runs(meta, kv_caches, x.shape[0]):
             if loop.has_head and _every_row(logits_indices, x.shape[0]):
                 return loop.logits(x, positions, meta)  # the head too, in the same C call
             residual = loop(x, positions, meta)  # x: the last layer's output, in place

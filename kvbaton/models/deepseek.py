@@ -114,9 +114,15 @@ class DecoderLayer(nn.Module):
     def forward(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """As the Llama family's: the residual adds are fused into the norms."""
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(cos_sin, h, kv_cache, meta), residual)
+        h, residual = self.attend(cos_sin, x, residual, kv_cache, meta)
         return self.mlp(h), residual
+
+    def attend(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its FFN: (the FFN's input, the residual stream); a micro-batched step calls it apart
+        from the FFN (`models/ping_pong.py`)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        return self.post_attention_layernorm.add_forward(self.self_attn(cos_sin, h, kv_cache, meta), residual)
 
 
 class DeepseekV3ForCausalLM(DecoderStack):

@@ -80,9 +80,15 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the adds are fused
         into the norms); returns this layer's output and the residual stream before it."""
-        h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(cos_sin, h, kv_cache, meta), residual)
+        h, residual = self.attend(cos_sin, x, residual, kv_cache, meta)
         return self.mlp(h), residual
+
+    def attend(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache,
+               meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer up to its FFN: (the FFN's input, the residual stream); a micro-batched step calls it apart
+        from the FFN (`models/ping_pong.py`)."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        return self.post_attention_layernorm.add_forward(self.self_attn(cos_sin, h, kv_cache, meta), residual)
 
 
 class LlamaForCausalLM(DecoderStack):

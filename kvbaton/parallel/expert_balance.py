@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvbaton.config import ExpertParallelConfig, MoEConfig
-from kvbaton.layers.moe.dispatch import ExpertMap, stacked_experts
+from kvbaton.layers.moe.dispatch import AllToAllDispatch, ExpertMap, stacked_experts
 from kvbaton.layers.moe.eplb import ExpertPlacement, Objective, rebalance, rebalance_layer
 from kvbaton.layers.moe.load_stats import ExpertLoadWindow
 from kvbaton.parallel.expert_stats import MoELayer
@@ -83,7 +83,7 @@ class ExpertRebalancer:
         assert self._planned is not None and self.weights_ready()
         for layer, placement, (gate_up, down) in zip(self.layers, self._planned, self._weights):
             dispatcher = layer.block.dispatcher
-            assert dispatcher is not None
+            assert isinstance(dispatcher, AllToAllDispatch)
             expert_map = ExpertMap(placement.physical_to_logical, self.config.size)
             experts = stacked_experts(gate_up, down)
             experts.kernel = layer.block.experts.kernel  # the new stacks are in its layout already

@@ -101,7 +101,7 @@ class ExpertParallelGroup:
                 block.idle_exchange(self._hidden_size, self._dtype)
 
     def _dispatchers(self) -> list[AllToAllDispatch]:
-        return [b.dispatcher for b in self._blocks if b.dispatcher is not None]
+        return [b.dispatcher for b in self._blocks if isinstance(b.dispatcher, AllToAllDispatch)]
 
     def rebalance_now(self) -> None:
         """Plan a new placement from the load so far and copy its weights; it takes effect at the next step.
@@ -120,7 +120,7 @@ class ExpertParallelGroup:
     @property
     def rows_computed(self) -> int:
         """Token-expert pairs this rank's experts computed so far (its share of the group's expert work)."""
-        return sum(b.dispatcher.rows_computed for b in self._blocks if b.dispatcher is not None)
+        return sum(d.rows_computed for d in self._dispatchers())
 
     def expect_work(self) -> None:
         """Before a run loop that every rank enters: step at least once, so each sees the others' state."""
@@ -129,7 +129,7 @@ class ExpertParallelGroup:
     @property
     def bytes_sent(self) -> int:
         """Dispatch + combine payload this rank sent to other ranks so far."""
-        return sum(b.dispatcher.bytes_sent for b in self._blocks if b.dispatcher is not None)
+        return sum(d.bytes_sent for d in self._dispatchers())
 
     def close(self) -> None:
         if dist.is_initialized():

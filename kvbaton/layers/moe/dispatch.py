@@ -17,6 +17,7 @@ Every rank must make the same calls in the same order: a rank without tokens thi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -65,6 +66,21 @@ class ExpertMap:
         return torch.tensor(table, dtype=torch.int64), torch.tensor([len(s) for s in slots], dtype=torch.int64)
 
 
+class ExpertDispatcher(Protocol):
+    """Where a MoE block's routed experts run when they are not all in this process: expert parallelism's
+    all-to-all (`AllToAllDispatch`) or attention/FFN disaggregation's expert pool (kvbaton.parallel.afd).
+    `post` sends a layer's rows and returns what `wait` needs to take their combined outputs back, so a
+    micro-batched step computes something else in between (`models/ping_pong.py`); `x(...)` is the two at once."""
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+
+    def post(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Any: ...
+
+    def wait(self, pending: Any) -> torch.Tensor: ...
+
+    def idle_exchange(self, hidden_size: int, dtype: torch.dtype) -> None: ...
+
+
 class AllToAllDispatch:
     """Replaces a MoE block's local expert computation when its experts are spread over `group`."""
 
@@ -93,22 +109,22 @@ class AllToAllDispatch:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H], ids/weights: [T, k] -> [T, H]: the weighted sum of each token's experts."""
-        tokens = torch.arange(x.shape[0]).repeat_interleave(ids.shape[1])  # [T*k]
-        flat = ids.flatten()
-        copy = (tokens * self.world + self.rank) % self.copies[flat]
-        slots = self.slot_table[flat, copy]  # [T*k] the copy each assignment uses
+        tokens, slots = choose_slots(ids, self.slot_table, self.copies, self.world, self.rank)
         order = torch.argsort(slots, stable=True)  # grouped by destination rank, then by slot
         per = self.map.slots_per_rank
         send_counts = torch.bincount(slots // per, minlength=self.world)
         outputs = self._exchange(x[tokens[order]], slots[order] % per, send_counts)
         rows = torch.empty_like(outputs)
         rows[order] = outputs  # back in assignment order
-        # NOTE: weighted and summed as one process's PyTorch path does (by expert id, token order kept), so EP
-        # output equals EP1's bit for bit when each expert's rows do (fp32; a bf16 engine's C kernel fuses its
-        # combine differently, so there EP and EP1 agree to bf16 rounding only).
-        by_expert = torch.argsort(flat, stable=True)
-        weighted = rows[by_expert].mul_(weights.flatten()[by_expert].to(rows.dtype).unsqueeze(1))
-        return torch.zeros_like(x).index_add_(0, by_expert // ids.shape[1], weighted)
+        return combine(x, rows, ids, weights)
+
+    def post(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The split form a micro-batched step calls (`SparseMoeBlock.begin`): a collective exchange cannot wait
+        in the background, so it runs here; `wait` hands its result back."""
+        return self(x, ids, weights)
+
+    def wait(self, pending: torch.Tensor) -> torch.Tensor:
+        return pending
 
     def idle_exchange(self, hidden_size: int, dtype: torch.dtype) -> None:
         """This rank has no tokens this step: take part in the layer's exchanges with nothing to send."""
@@ -158,6 +174,26 @@ class AllToAllDispatch:
         self.rows_computed += rows.shape[0]
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32)
         return self.experts(rows, ExpertGroups.of(local_slots.unsqueeze(1), ones, self.map.slots_per_rank))
+
+
+def choose_slots(ids: torch.Tensor, slot_table: torch.Tensor, copies: torch.Tensor, spread: int,
+                 offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [T*k], slot [T*k]) of each assignment of `ids` [T, k]: token i takes copy `(i * spread + offset) %
+    copies` of its expert, so a hot expert's tokens spread over its copies and senders (`offset`: a sender's
+    index among `spread`) use different copies, with no communication to agree."""
+    tokens = torch.arange(ids.shape[0]).repeat_interleave(ids.shape[1])
+    flat = ids.flatten()
+    return tokens, slot_table[flat, (tokens * spread + offset) % copies[flat]]
+
+
+def combine(x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum of its assignments' expert outputs (`rows` [T*k, H], in assignment order).
+    NOTE: weighted and summed as one process's PyTorch path does (by expert id, token order kept), so a
+    dispatched layer equals the local one bit for bit when each expert's rows do (fp32; a bf16 engine's C
+    kernel fuses its combine differently, so there the two agree to bf16 rounding only)."""
+    by_expert = torch.argsort(ids.flatten(), stable=True)
+    weighted = rows[by_expert].mul_(weights.flatten()[by_expert].to(rows.dtype).unsqueeze(1))
+    return torch.zeros_like(x).index_add_(0, by_expert // ids.shape[1], weighted)
 
 
 def _remote_bytes(rows: torch.Tensor, counts: list[int], rank: int) -> int:

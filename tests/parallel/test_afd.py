@@ -1,0 +1,95 @@
+"""Attention/FFN disaggregation across processes: an attention engine whose MoE layers' routed experts live in a
+pool of expert worker processes gives the colocated engine's greedy fp32 output, for tiny Mixtral, Qwen3-MoE and
+DeepSeek-V3 (latent attention, shared experts, a dense first layer), over pools of one and two expert workers
+and two attention engines sharing one pool, with the decode steps split into 1 to 4 ping-pong micro-batches."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from kvbaton import LLM
+from kvbaton.config import AttentionFFNConfig
+from kvbaton.wire import SECRET_ENV
+from tests.support.helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
+
+EXPERT_SCRIPT = str(Path(__file__).with_name("afd_expert.py"))
+MAX_NEW = 8
+SECRET = "afd-test-secret-0123456789abcdef"
+
+
+def _prompts(count: int, seed: int = 11) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(1, TINY_VOCAB) for _ in range(rng.randrange(1, 30))] for _ in range(count)]
+
+
+@contextmanager
+def expert_pool(model: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """`size` expert worker processes over `model`; their exchange addresses; stopped (by PID) at the end."""
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    procs = [subprocess.Popen([sys.executable, EXPERT_SCRIPT, json.dumps({"model": str(model), "rank": r,
+                                                                          "size": size})],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(size)]
+    try:
+        addresses = []
+        for proc in procs:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            assert line, proc.stderr.read()[-3000:]  # type: ignore[union-attr]
+            addresses.append(json.loads(line)["address"])
+        yield addresses
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def afd_models(tiny_moe_models, tmp_path_factory):
+    return {"mixtral": tiny_moe_models["mixtral"], "qwen3_moe": tiny_moe_models["qwen3_moe"],
+            "deepseek_v3": build_deepseek_checkpoint(tmp_path_factory.mktemp("afd-deepseek") / "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def colocated(afd_models):
+    prompts = _prompts(6)
+    return prompts, {arch: greedy(LLM(str(model), dtype="float32", num_threads=1, block_size=4), MAX_NEW, prompts)
+                     for arch, model in afd_models.items()}
+
+
+def _attention(model: Path, experts: list[str], index: int = 0, micro_batches: int = 1) -> LLM:
+    afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=30)
+    return LLM(str(model), dtype="float32", num_threads=1, block_size=4, attention_ffn=afd)
+
+
+def _with_micro_batches(llm: LLM, m: int) -> LLM:
+    llm.engine.core.runner.model.micro_batches = m  # the same deployment, another split per step
+    return llm
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_afd_matches_colocated_for_every_micro_batch_count(arch, afd_models, colocated, monkeypatch):
+    prompts, refs = colocated
+    with expert_pool(afd_models[arch], 2, monkeypatch) as experts:
+        llm = _attention(afd_models[arch], experts)
+        for m in (1, 2, 3, 4):
+            assert greedy(_with_micro_batches(llm, m), MAX_NEW, prompts) == refs[arch], f"m={m}"
+        assert llm.engine.core.expert_pool.stats.exchanges > 0
+
+
+def test_one_expert_worker_and_two_attention_engines_share_it(afd_models, colocated, monkeypatch):
+    prompts, refs = colocated
+    model = afd_models["qwen3_moe"]
+    with expert_pool(model, 1, monkeypatch) as experts:
+        first, second = _attention(model, experts, 0, 2), _attention(model, experts, 1, 3)
+        assert greedy(first, MAX_NEW, prompts[:3]) == refs["qwen3_moe"][:3]
+        assert greedy(second, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]
