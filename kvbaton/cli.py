@@ -212,6 +212,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "(weights copied in the background, swapped between steps; 0: never)")
     pd.add_argument("--eplb-objective", default="tokens", choices=["tokens", "active_experts"],
                     help="EPLB balances tokens per rank, or the experts each rank must read per step (decode)")
+    afd = serve.add_argument_group("attention/FFN disaggregation (MoE models: experts in a pool of their own)")
+    afd.add_argument("--expert-workers", type=int, default=0, metavar="E",
+                     help="E expert workers hold every MoE layer's routed experts (1/E each); the decode (colocated) "
+                          "workers become attention workers that send each MoE layer's tokens there (0: off)")
+    afd.add_argument("--attention-workers", type=int, default=None, metavar="N",
+                     help="with --expert-workers: the attention workers (the same as --decode N)")
+    afd.add_argument("--afd-micro-batches", type=int, default=1, metavar="M",
+                     help="with --expert-workers: each decode step runs as M micro-batches, the experts computing one "
+                          "while attention computes the next (default 1)")
     pd.add_argument("--allow-insecure-kv-transport", action="store_true",
                     help="allow --kv-transport mooncake (it listens on every interface, whatever --host says) and "
                          "expert-parallel groups off loopback: they authenticate no peer (any host that reaches "
@@ -300,6 +309,12 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
     router = RouterConfig(prefill_policy=args.routing, decode_policy=args.routing,
                           local_prefill_threshold=args.local_prefill_threshold,
                           transfer_deadline_s=args.transfer_timeout, request_timeout_s=args.request_timeout)
+    if args.attention_workers is not None:
+        if not args.expert_workers:
+            raise ConfigError("--attention-workers needs --expert-workers (without an expert pool, use --decode)")
+        if args.decode and args.decode != args.attention_workers:
+            raise ConfigError("--attention-workers and --decode name the same workers: give one of them")
+        args.decode = args.attention_workers
     return DeploymentSpec(num_prefill=args.prefill, num_decode=max(args.decode, 1), kv_transport=args.kv_transport,
                           allow_insecure_kv_transport=args.allow_insecure_kv_transport,
                           encrypt_traffic=args.encrypt_traffic, prefill_kv_cache_dtype=args.prefill_kv_cache_dtype,
@@ -309,7 +324,8 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                               restart=RestartPolicy(max_restarts=args.max_worker_restarts),
                               decode_ep_size=args.expert_parallel_size, ep_int8_dispatch=args.ep_int8_dispatch,
                               num_redundant_experts=args.num_redundant_experts, eplb_interval_steps=args.eplb_interval,
-                              eplb_objective=args.eplb_objective,
+                              eplb_objective=args.eplb_objective, expert_workers=args.expert_workers,
+                              afd_micro_batches=args.afd_micro_batches,
                               prefill_ep_size=args.prefill_expert_parallel_size or args.expert_parallel_size))
 
 

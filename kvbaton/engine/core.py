@@ -329,6 +329,8 @@ class EngineCore:
             self._consecutive_step_failures += 1
             if self.expert_parallel is not None:
                 self.expert_parallel.finish_failed_step()  # the other ranks' step must complete too
+            if self.expert_pool is not None:
+                self.expert_pool.abandon()  # the step's other micro-batches' exchanges: their replies are dropped
             if self._consecutive_step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))

@@ -120,6 +120,23 @@ ToWorker = (AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortReq
 # ---- worker -> router ----------------------------------------------------------------------
 
 
+class ExchangeLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """An expert worker's exchanges since it started: what it computed for the attention workers, and for how long
+    (the rest of `alive_s` it waited for rows: the expert side's bubble)."""
+
+    exchanges: int
+    rows: int  # token-expert pairs computed
+    bytes_in: int
+    bytes_out: int
+    busy_s: float
+    alive_s: float
+    refused_frames: int
+
+    @property
+    def idle_fraction(self) -> float:
+        return max(0.0, 1.0 - self.busy_s / self.alive_s) if self.alive_s > 0 else 1.0
+
+
 class WorkerLoad(msgspec.Struct):
     stats: EngineStats
     num_receiving: int  # decode role: transfers being received
@@ -127,6 +144,16 @@ class WorkerLoad(msgspec.Struct):
     # NOTE: heartbeats (their own thread and socket) and outputs can arrive out of order: the router
     # keeps the load with the highest `seq`, so a late heartbeat never rolls its view back.
     seq: int = 0
+    exchange: ExchangeLoad | None = None  # an expert worker's (it has no engine: `stats` stays empty)
+
+
+class ExpertsServed(msgspec.Struct, frozen=True, kw_only=True):
+    """What an expert worker serves the attention workers: where, as which rank of the expert pool, which experts."""
+
+    address: str  # its exchange socket (tcp://host:port)
+    rank: int
+    size: int
+    experts: list[int]  # the routed experts it owns, in every MoE layer
 
 
 class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
@@ -135,10 +162,11 @@ class WorkerHello(msgspec.Struct, tag="hello", kw_only=True):
     index: int
     pid: int
     address: str  # the worker's command socket
-    info: EngineInfo
-    layout: KVLayout
+    info: EngineInfo | None  # None: a worker without an engine core (an expert worker)
+    layout: KVLayout | None  # the same
     receiver: str | None  # its KV receiver's address (decode / both roles)
     load: WorkerLoad
+    experts: ExpertsServed | None = None  # an expert worker's
     startup: dict[str, float] = {}  # where its start went: seconds per phase, in order (`platform.startup`)
 
 

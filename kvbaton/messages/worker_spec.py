@@ -18,6 +18,9 @@ class WorkerRole(str, enum.Enum):
     PREFILL = "prefill"  # computes prompts and sends their KV to a decode worker
     DECODE = "decode"  # receives prompts' KV and decodes (or prefills short prompts itself)
     BOTH = "both"  # colocated: prefills and decodes its own requests
+    # attention/FFN disaggregation: serves every MoE layer's routed experts it owns to the decode (both) workers,
+    # which are then its attention workers; it has no engine core and takes no request
+    EXPERT = "expert"
 
     @property
     def decodes(self) -> bool:
@@ -31,6 +34,16 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
     redis_ttl_s: int = 60
     # mooncake: its data plane is unauthenticated; off loopback only when the operator says so
     allow_insecure_transport: bool = False
+
+
+class ExpertSlot(msgspec.Struct, frozen=True, kw_only=True):
+    """An expert worker's place in the AFD expert pool: rank `rank` of `size` (it owns that rank's experts of the
+    contiguous placement), its exchange socket on `port` of the worker's host. The pool chooses the port, so a
+    replacement listens where the attention workers already connect."""
+
+    rank: int
+    size: int
+    port: int
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,10 +61,13 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # the expert-parallel group this worker is a rank of (its engine's `expert_parallel` says which): the
     # pool starts, tears down and restarts a group's ranks together; None: a worker on its own
     ep_group: str | None = None
+    expert_slot: ExpertSlot | None = None  # the expert role's place in the expert pool (None for the others)
 
     def __post_init__(self) -> None:
         if not isinstance(self.role, WorkerRole):
             raise ValueError(f"role must be one of {', '.join(r.value for r in WorkerRole)}, not {self.role!r}")
+        if (self.role == WorkerRole.EXPERT) != (self.expert_slot is not None):
+            raise ValueError("an expert worker, and only it, has an expert slot")
 
     @property
     def name(self) -> str:

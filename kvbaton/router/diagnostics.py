@@ -100,7 +100,7 @@ class PoolDiagnostics:
         elif len(pairs) > MAX_PAIRS:
             result["skipped"] = f"{len(pairs) - MAX_PAIRS} pairs beyond the first {MAX_PAIRS} were not probed"
         for p, d in pairs[:MAX_PAIRS]:
-            per_block = p.layout.bytes_per_block
+            per_block = p.kv_layout.bytes_per_block
             small, large = (max(1, math.ceil(n / per_block)) for n in (small_bytes, large_bytes))
             result["pairs"].append(await self._probe_pair(p, d, [small] * repeats + [large] * repeats, timeout_s))
         return result
@@ -116,7 +116,7 @@ class PoolDiagnostics:
             if not ready.done():
                 row["error"] = _answer(received, d.name) or f"{d.name} did not start its probe receiver in time"
                 return row
-            await self.pool.send(p, ProbeSend(probe_id=probe_id, receiver=ready.result().address, layout=d.layout,
+            await self.pool.send(p, ProbeSend(probe_id=probe_id, receiver=ready.result().address, layout=d.kv_layout,
                                               block_counts=counts, deadline_s=timeout_s))
             await asyncio.wait({sent, received}, timeout=timeout_s + ANSWER_MARGIN_S)
             row["error"] = _answer(sent, p.name) or _answer(received, d.name)
@@ -223,8 +223,8 @@ def _collectives(per_rank: list[list[Timing]], sizes: list[int], iters: int, wor
 
 
 def _profiled(worker: WorkerHandle, future: asyncio.Future) -> dict[str, Any]:
-    row: dict[str, Any] = {"name": worker.name, "role": worker.role.value, "compute_path": worker.info.compute_path,
-                           "error": _answer(future, worker.name)}
+    row: dict[str, Any] = {"name": worker.name, "role": worker.role.value,
+                           "compute_path": worker.engine_info.compute_path, "error": _answer(future, worker.name)}
     profile: StepProfile | None = future.result().profile if future.done() and not future.cancelled() else None
     if profile is None:
         return row

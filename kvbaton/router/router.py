@@ -132,7 +132,7 @@ class Router:
     def kv_store_target(self) -> StoreTarget | None:
         """The KV store the decode workers share (None without one, or before one has joined)."""
         engine = self.pool.engine_config
-        layouts = [w.layout for w in self.pool.workers.values() if w.role.decodes]
+        layouts = [w.kv_layout for w in self.pool.workers.values() if w.role.decodes]
         if not engine.kv_store.enabled or not layouts:
             return None
         return StoreTarget(engine.kv_store, layouts[0], engine.model)
@@ -260,9 +260,9 @@ class Router:
         flight.prefill, flight.phase = prefill.name, Phase.PREFILLING
         prefill.attempts.add(flight.attempt_id)
         assert decode.receiver is not None, "a decode worker always has a KV receiver"
-        remote = RemoteDecode(receiver=decode.receiver, dst_block_ids=msg.dst_block_ids,
-                              skip_blocks=msg.num_cached_tokens // decode.info.block_size, layout=decode.layout,
-                              deadline_s=self.config.transfer_deadline_s)
+        skip_blocks = msg.num_cached_tokens // decode.engine_info.block_size
+        remote = RemoteDecode(receiver=decode.receiver, dst_block_ids=msg.dst_block_ids, skip_blocks=skip_blocks,
+                              layout=decode.kv_layout, deadline_s=self.config.transfer_deadline_s)
         await self.pool.send(prefill, AddRequest(request_id=flight.attempt_id, prompt_token_ids=flight.prompt_token_ids,
                                                  params=flight.params, priority=flight.priority, remote_decode=remote))
 

@@ -20,13 +20,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvbaton.config import ConfigError, EngineConfig, ExpertParallelConfig
+from kvbaton.config import AttentionFFNConfig, ConfigError, EngineConfig, ExpertParallelConfig
 from kvbaton.kv.layout import KVLayout
 from kvbaton.kv.processes import free_port
 from kvbaton.messages.router_worker import (
     CheckIntegrity,
     Drain,
     Drained,
+    ExpertsServed,
     FromWorker,
     Heartbeat,
     IntegrityReport,
@@ -35,7 +36,7 @@ from kvbaton.messages.router_worker import (
     WorkerLoad,
     WorkerOutputs,
 )
-from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, WorkerRole, WorkerSpec
+from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, ExpertSlot, WorkerRole, WorkerSpec
 from kvbaton.router.errors import EngineDeadError
 from kvbaton.router.expert_view import expert_view
 from kvbaton.router.launcher import Launcher
@@ -60,12 +61,21 @@ class PoolConfig:
     num_redundant_experts: int = 0
     eplb_interval_steps: int = 0
     eplb_objective: str = "tokens"
+    # attention/FFN disaggregation: this many expert workers hold every MoE layer's routed experts, and the decode
+    # (colocated) workers are attention workers that dispatch to them, each decode step in this many micro-batches
+    expert_workers: int = 0
+    afd_micro_batches: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.dead_after_s:
             raise ConfigError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
         if min(self.prefill_ep_size, self.decode_ep_size) < 1:
             raise ConfigError("expert-parallel sizes must be >= 1")
+        if self.expert_workers < 0 or self.afd_micro_batches < 1:
+            raise ConfigError("need --expert-workers >= 0 and --afd-micro-batches >= 1")
+        if self.expert_workers and (self.decode_ep_size > 1 or self.num_redundant_experts or self.eplb_interval_steps):
+            raise ConfigError("--expert-workers puts the decode workers' experts in an expert pool: it cannot be "
+                              "combined with --expert-parallel-size or EPLB for them yet")
 
     def ep_size(self, role: WorkerRole) -> int:
         return self.prefill_ep_size if role == WorkerRole.PREFILL else self.decode_ep_size
@@ -78,11 +88,12 @@ class WorkerHandle:
     index: int
     pid: int
     address: str
-    info: EngineInfo
-    layout: KVLayout
+    info: EngineInfo | None  # None: no engine core (an expert worker)
+    layout: KVLayout | None
     receiver: str | None
     load: WorkerLoad
     socket: zmq.asyncio.Socket
+    experts: ExpertsServed | None = None  # an expert worker's exchange and experts
     last_seen: float = field(default_factory=time.monotonic)
     alive: bool = True
     draining: bool = False
@@ -100,8 +111,27 @@ class WorkerHandle:
         return self.role.decodes
 
     @property
+    def takes_requests(self) -> bool:
+        """An engine worker (prefill, decode, both); an expert worker serves the others and takes none."""
+        return self.info is not None
+
+    @property
     def routable(self) -> bool:
-        return self.alive and not self.draining
+        return self.alive and not self.draining and self.takes_requests
+
+    @property
+    def engine_info(self) -> EngineInfo:
+        """Its engine's info: every worker that takes requests has one."""
+        if self.info is None:
+            raise RuntimeError(f"{self.name} has no engine core (role {self.role.value})")
+        return self.info
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Its KV layout: every worker that takes requests has one."""
+        if self.layout is None:
+            raise RuntimeError(f"{self.name} has no KV cache (role {self.role.value})")
+        return self.layout
 
     def view(self) -> dict[str, Any]:
         s = self.load.stats
@@ -109,8 +139,21 @@ class WorkerHandle:
                 "address": self.address, "healthy": self.alive, "draining": self.draining,
                 "num_running": s.num_running, "num_waiting": s.num_waiting, "num_receiving": self.load.num_receiving,
                 "num_sending": self.load.num_sending, "kv_cache_usage": s.kv_cache_usage,
-                "in_flight": len(self.attempts), "compute_path": self.info.compute_path, "kv_dtype": self.layout.dtype,
-                "ready_after_s": self.ready_after_s, "startup_s": self.startup}
+                "in_flight": len(self.attempts), "compute_path": self.info.compute_path if self.info else None,
+                "kv_dtype": self.layout.dtype if self.layout else None, "ready_after_s": self.ready_after_s,
+                "startup_s": self.startup,
+                "experts": self._experts_view()}
+
+    def _experts_view(self) -> dict[str, Any] | None:
+        """An expert worker's place in the expert pool, and its exchanges so far."""
+        if self.experts is None:
+            return None
+        e, x = self.experts, self.load.exchange
+        view: dict[str, Any] = {"rank": e.rank, "size": e.size, "owns": e.experts, "exchange": e.address}
+        if x is not None:
+            view.update(exchanges=x.exchanges, rows=x.rows, bytes_in=x.bytes_in, bytes_out=x.bytes_out,
+                        idle_fraction=x.idle_fraction, refused_frames=x.refused_frames)
+        return view
 
 
 class PoolListener(Protocol):
@@ -153,6 +196,7 @@ class WorkerPool:
         self._codec = SequencedCodec(secret, FromWorker, Peer.fresh(ROUTER_NAME))
         self._ctx = zmq.asyncio.Context()
         self._next_index = dict.fromkeys(WorkerRole, 0)
+        self._expert_exchanges: tuple[str, ...] = ()  # AFD: each expert worker's exchange address, by rank
         self._ep_groups: dict[str, str] = {}  # worker name -> its expert-parallel group
         self._hello = asyncio.Event()
         self._launched_at: dict[str, float] = {}  # worker name -> when it was launched (monotonic), until its hello
@@ -175,6 +219,12 @@ class WorkerPool:
         self.address = f"tcp://{self.host}:{port}"
         self._guard.spawn(self._event_loop(), "event loop", forever=True)
         self._guard.spawn(self._watchdog(), "watchdog", forever=True)
+        if self.config.expert_workers:
+            # NOTE: the expert pool first: an attention worker's engine connects to every expert worker as it starts
+            ports = [free_port(self.host) for _ in range(self.config.expert_workers)]
+            self._expert_exchanges = tuple(f"tcp://{self.host}:{port}" for port in ports)
+            experts = [name for port in ports for name in await self._add_unit(WorkerRole.EXPERT, port)]
+            await self.wait_for_workers(experts, self.config.start_timeout_s)
         decode_role = WorkerRole.DECODE if num_prefill else WorkerRole.BOTH
         names = [n for _ in range(num_prefill) for n in await self._add_unit(WorkerRole.PREFILL)]
         names += [n for _ in range(num_decode) for n in await self._add_unit(decode_role)]
@@ -185,9 +235,12 @@ class WorkerPool:
         commas); it joins the pool when it says hello."""
         return ",".join(await self._add_unit(role))
 
-    async def _add_unit(self, role: WorkerRole) -> list[str]:
+    async def _add_unit(self, role: WorkerRole, expert_port: int = 0) -> list[str]:
         engine = self.prefill_engine_config if role == WorkerRole.PREFILL else self.engine_config
-        specs = self._unit_specs(role, engine)
+        if role == WorkerRole.EXPERT:
+            specs = [self._expert_spec(engine, expert_port)]
+        else:
+            specs = self._unit_specs(role, engine)
         self._launched_at.update((spec.name, time.monotonic()) for spec in specs)
         # NOTE: off the event loop: a Ray launch waits for its placement group. A group's ranks are all
         # launched before any is waited for: each waits for the others at its rendezvous.
@@ -201,7 +254,19 @@ class WorkerPool:
                 self._ep_groups[spec.name] = spec.ep_group
         return [spec.name for spec in specs]
 
+    def _expert_spec(self, engine: EngineConfig, port: int) -> WorkerSpec:
+        """An expert worker's spec: its rank of the expert pool is its index (it keeps both when replaced)."""
+        if not port:
+            raise ValueError("expert workers are started with the pool (--expert-workers), not added one by one")
+        rank = self._next_index[WorkerRole.EXPERT]
+        return self._spec(WorkerRole.EXPERT, engine,
+                          expert_slot=ExpertSlot(rank=rank, size=self.config.expert_workers, port=port))
+
     def _unit_specs(self, role: WorkerRole, engine: EngineConfig) -> list[WorkerSpec]:
+        if role.decodes and self._expert_exchanges:  # an attention worker of the expert pool
+            engine = dataclasses.replace(engine, attention_ffn=AttentionFFNConfig(
+                experts=self._expert_exchanges, index=self._next_index[role],
+                micro_batches=self.config.afd_micro_batches))
         size = self.config.ep_size(role)
         if size == 1:
             return [self._spec(role, engine)]
@@ -213,11 +278,12 @@ class WorkerPool:
             num_redundant_experts=c.num_redundant_experts, rebalance_interval_steps=c.eplb_interval_steps,
             balance_objective=c.eplb_objective)), ep_group=group) for rank in range(size)]
 
-    def _spec(self, role: WorkerRole, engine: EngineConfig, ep_group: str | None = None) -> WorkerSpec:
+    def _spec(self, role: WorkerRole, engine: EngineConfig, ep_group: str | None = None,
+              expert_slot: ExpertSlot | None = None) -> WorkerSpec:
         spec = WorkerSpec(role=role, index=self._next_index[role], engine=engine, router=self.address,
                           router_session=self._codec.me.session.hex(),
                           host=self.host, connector=self.connector, heartbeat_s=self.config.heartbeat_s,
-                          encrypt_traffic=self.encrypt_traffic, ep_group=ep_group)
+                          encrypt_traffic=self.encrypt_traffic, ep_group=ep_group, expert_slot=expert_slot)
         self._next_index[role] += 1
         return spec
 
@@ -247,6 +313,9 @@ class WorkerPool:
         worker = self.workers.get(name)
         if worker is None or not worker.alive:
             raise KeyError(name)
+        if worker.role == WorkerRole.EXPERT:
+            raise ValueError(f"{name} is an expert worker: every attention worker dispatches to it, so it cannot be "
+                             "drained (stop the deployment, or let a failure replace it)")
         if name in self._ep_groups:
             raise ValueError(f"{name} is a rank of expert-parallel group {self._ep_groups[name]}; draining a "
                              "group is not supported yet (stop the deployment, or let a failure restart it)")
@@ -390,8 +459,9 @@ class WorkerPool:
         self.workers[msg.name] = WorkerHandle(name=msg.name, role=msg.role, index=msg.index, pid=msg.pid,
                                               address=msg.address, info=msg.info, layout=msg.layout,
                                               receiver=msg.receiver, load=msg.load, socket=socket,
-                                              ready_after_s=ready_after, startup=dict(msg.startup))
-        if self.info is None:
+                                              experts=msg.experts, ready_after_s=ready_after,
+                                              startup=dict(msg.startup))
+        if self.info is None and msg.info is not None:
             self.info = msg.info
         after = "" if ready_after is None else f" {ready_after:.1f} s after its launch"
         start = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in msg.startup.items())

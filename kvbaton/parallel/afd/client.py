@@ -6,8 +6,10 @@ shares them, `choose_slots`), sends each expert worker its rows and returns at o
 back and combines them by the routing weights, in the order a single process sums them (fp32 output equal to
 the colocated engine's). Between the two, a micro-batched step computes its next micro-batch.
 
-An expert worker that does not answer within the timeout, or answers `ExchangeFailed`, fails the step
-(`ExpertPoolError`); every exchange in flight is then abandoned and its late replies dropped."""
+An expert worker that does not answer within the timeout, answers `ExchangeFailed`, or whose connection drops
+while an exchange waits on it (it died: ZeroMQ's monitor says so at once), fails the step (`ExpertPoolError`);
+every exchange in flight is then abandoned and its late replies dropped. What is posted afterwards queues on the
+socket until the worker's replacement (same address) connects."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvbaton.config import AttentionFFNConfig, ConfigError
 from kvbaton.layers.moe.dispatch import ExpertMap, choose_slots, combine
@@ -72,14 +75,18 @@ class ExpertPoolClient:
         self._timeout_ms = int(config.timeout_s * 1000)
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
+        self._monitors: list[zmq.Socket] = []  # each socket's disconnections
         for address in config.experts:
             socket = self._ctx.socket(zmq.DEALER)
             socket.setsockopt(zmq.MAXMSGSIZE, limit)
             socket.setsockopt(zmq.LINGER, 0)
-            socket.connect(address)
             self._sockets.append(socket)
+            self._monitors.append(socket.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            socket.connect(address)
         self._next_ticket = 1
         self._in_flight: set[int] = set()
+        self._awaiting: list[set[int]] = [set() for _ in config.experts]  # per worker: tickets it has not answered
+        self._lost: set[int] = set()  # tickets a dropped connection took with it
         self._early: dict[tuple[int, int], FromExpert] = {}  # (worker, ticket) answered before it was waited for
         self.stats = ClientStats()
         try:
@@ -128,7 +135,9 @@ class ExpertPoolClient:
                 continue
             frame = self._requests.encode(DispatchRows(ticket, layer, bytes_of(rows[start:start + n]),
                                                        bytes_of(local[start:start + n])))
+            self._note_disconnects(worker)  # before the send: a drop seen later can only have taken this frame
             self._sockets[worker].send(frame, copy=False)
+            self._awaiting[worker].add(ticket)
             self.stats.bytes_sent += len(frame)
             parts.append((worker, n))
             start += n
@@ -167,15 +176,38 @@ class ExpertPoolClient:
         """Give up every exchange in flight (its step failed): their replies, whenever they come, are dropped."""
         self._in_flight.clear()
         self._early.clear()
+        self._lost.clear()
+        for tickets in self._awaiting:
+            tickets.clear()
+
+    def _note_disconnects(self, worker: int) -> None:
+        """A dropped connection to `worker` (it died) loses the exchanges it had not answered."""
+        monitor = self._monitors[worker]
+        while monitor.poll(0):
+            if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                self._lost |= self._awaiting[worker]
+                self._awaiting[worker].clear()
 
     def _receive(self, worker: int, ticket: int | None) -> FromExpert:
         """The reply of `worker` to `ticket` (None: its welcome); replies to other exchanges in flight are kept."""
         if ticket is not None and (worker, ticket) in self._early:
+            self._awaiting[worker].discard(ticket)
             return self._early.pop((worker, ticket))
         socket, deadline = self._sockets[worker], time.monotonic() + self.config.timeout_s
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(self._monitors[worker], zmq.POLLIN)
         while True:
+            if ticket in self._lost:
+                raise ExpertPoolError(f"expert worker {self.config.experts[worker]} dropped its connection with an "
+                                      "exchange in flight (it died)")
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not socket.poll(left_ms):
+            ready = dict(poller.poll(left_ms)) if left_ms > 0 else {}
+            if self._monitors[worker] in ready:
+                self._note_disconnects(worker)
+            if socket not in ready:
+                if ready:
+                    continue  # a disconnection: the loop's first check says whether it took this exchange
                 raise ExpertPoolError(f"expert worker {self.config.experts[worker]} did not answer within "
                                       f"{self.config.timeout_s:g} s")
             frame = socket.recv(copy=True)
@@ -189,6 +221,7 @@ class ExpertPoolClient:
                 if ticket is None:
                     return reply
                 continue
+            self._awaiting[worker].discard(reply.ticket)
             if reply.ticket == ticket:
                 return reply
             if reply.ticket in self._in_flight:
@@ -199,7 +232,11 @@ class ExpertPoolClient:
         return RemoteExperts(self, layer)
 
     def close(self) -> None:
-        for socket in self._sockets:
+        for socket, monitor in zip(self._sockets, self._monitors, strict=False):
+            socket.disable_monitor()
+            monitor.close(linger=0)
+            socket.close(linger=0)
+        for socket in self._sockets[len(self._monitors):]:
             socket.close(linger=0)
         self._ctx.term()
 

@@ -1,6 +1,6 @@
 """An expert worker's exchange socket and the thread that serves it: a ZeroMQ ROUTER bound to the worker's host
-(port chosen by the OS), taking signed `DispatchRows` from any attention worker of the cluster and answering each
-with its rows through the experts this worker owns.
+(port chosen by the pool, or by the OS), taking signed `DispatchRows` from any attention worker of the cluster and
+answering each with its rows through the experts this worker owns.
 
 One thread computes the exchanges in arrival order, so an attention worker's replies come back in the order it
 sent (its micro-batches' outputs queue behind each other as the ping-pong expects). A frame that is unsigned,
@@ -67,7 +67,7 @@ def bytes_of(rows: torch.Tensor) -> bytes:
 
 
 class ExpertServer:
-    def __init__(self, shard: ExpertShard, secret: bytes, host: str = "127.0.0.1",
+    def __init__(self, shard: ExpertShard, secret: bytes, host: str = "127.0.0.1", port: int = 0,
                  max_rows: int = DEFAULT_MAX_ROWS) -> None:
         self.shard = shard
         self.max_rows = max_rows
@@ -78,7 +78,10 @@ class ExpertServer:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.MAXMSGSIZE, limit)
         self._socket.setsockopt(zmq.LINGER, 0)
-        port = self._socket.bind_to_random_port(f"tcp://{host}")
+        if port:  # the pool's choice: a replacement listens where the attention workers already connect
+            self._socket.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self.stats = ServerStats()
         self.started = time.monotonic()
@@ -89,10 +92,9 @@ class ExpertServer:
         self._thread.start()
 
     @property
-    def idle_fraction(self) -> float:
-        """The share of its life this worker's experts waited for rows (the expert side's bubble)."""
-        alive = time.monotonic() - self.started
-        return max(0.0, 1.0 - self.stats.busy_s / alive) if alive > 0 else 1.0
+    def serving(self) -> bool:
+        """Its thread is up (False once it stopped, or died on an error)."""
+        return self._thread.is_alive()
 
     def _serve(self) -> None:
         try:

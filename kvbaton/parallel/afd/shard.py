@@ -31,6 +31,8 @@ class ShardSpec:
     size: int
     dtype: torch.dtype = torch.float32
     kernels: bool = True  # bf16: compute through the C experts kernel where the CPU has one
+    compute_path: str = "auto"  # the engine's --compute-path (its experts' kernel follows it)
+    deterministic: bool = False  # batch-invariant kernels, as the attention workers' engines
 
 
 class ExpertShard:
@@ -43,7 +45,8 @@ class ExpertShard:
         self.map = ExpertMap.contiguous(self.num_experts, spec.size)
         self.slots = self.map.local_experts(spec.rank)
         self.layers: dict[int, GroupedExperts] = {}
-        kernel = moe_kernel_of(plan_compute(spec.dtype, kernels=spec.kernels)) if spec.kernels else None
+        kernel = moe_kernel_of(plan_compute(spec.dtype, spec.compute_path, spec.deterministic, spec.kernels)) \
+            if spec.kernels else None
         for layer in range(cfg.num_hidden_layers):
             if cfg.moe.is_moe_layer(layer):
                 experts = stacked_experts(*read_experts(spec.model_dir, layer, self.slots, spec.dtype))

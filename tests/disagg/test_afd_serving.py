@@ -1,0 +1,96 @@
+"""Attention/FFN disaggregation served behind the router (real processes, tiny Qwen3-MoE, fp32): expert workers
+hold the routed experts, the decode (colocated) workers are attention workers dispatching to them, and the
+output is transformers' greedy output, for 2 attention workers over 1 expert worker (m = 2) and for a PD
+prefill worker in front of 1 attention worker over 2 expert workers (m = 3). `/workers` shows both roles and
+which experts each expert worker owns; every socket listens on loopback; every pool passes its integrity check."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from tests.support.helpers import hf_greedy, tiny_prompts
+from tests.support.pd import collect, router_over, run
+from tests.support.procs import listening_addresses
+from tests.support.wait import async_wait_until
+
+MAX_NEW = 12
+NUM_EXPERTS = 8  # the tiny MoE checkpoints'
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_moe_models):
+    return tiny_moe_models["qwen3_moe"]
+
+
+@pytest.fixture(scope="module")
+def references(moe_model):
+    prompts = tiny_prompts(43, [3, 30, 12, 45, 7, 20])
+    return prompts, hf_greedy(moe_model, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize(("prefill", "attention", "experts", "micro_batches"), [(0, 2, 1, 2), (1, 1, 2, 3)],
+                         ids=["2:1-m2", "pd-1:2-m3"])
+def test_served_afd_matches_transformers(moe_model, references, prefill, attention, experts, micro_batches):
+    prompts, refs = references
+
+    async def scenario():
+        async with router_over(moe_model, prefill=prefill, decode=attention, expert_workers=experts,
+                               afd_micro_batches=micro_batches, local_prefill_threshold=0) as router:
+            outs = await asyncio.gather(*(collect(router, f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
+            # every expert worker computed rows for the attention workers (its heartbeat carries the count)
+            await async_wait_until(lambda: all(w["experts"].get("rows", 0) > 0 for w in router.workers_view()
+                                               if w["role"] == "expert"),
+                                   10.0, interval_s=0.05, message=lambda: f"no exchanges: {router.workers_view()}")
+            listening = {name: listening_addresses(w.pid) for name, w in router.pool.workers.items()}
+            return outs, router.workers_view(), listening
+
+    outs, view, listening = run(scenario())
+    assert outs == refs
+    assert all(address == "127.0.0.1" for ports in listening.values() for address in ports.values()), listening
+    roles = sorted(w["role"] for w in view)
+    attention_role = "decode" if prefill else "both"
+    assert roles == sorted(["prefill"] * prefill + [attention_role] * attention + ["expert"] * experts)
+    owned = {w["name"]: w["experts"]["owns"] for w in view if w["role"] == "expert"}
+    per_worker = NUM_EXPERTS // experts
+    assert owned == {f"kvbaton-expert-{r}": list(range(r * per_worker, (r + 1) * per_worker)) for r in range(experts)}
+    exchanges = [w["experts"]["exchange"] for w in view if w["role"] == "expert"]
+    for w in view:
+        if w["role"] == "expert":  # its exchange socket listens where its hello says, on loopback
+            assert w["experts"]["exchange"].rsplit(":", 1)[1] in listening[w["name"]]
+    assert len(set(exchanges)) == experts
+    for w in view:
+        if w["role"] == "expert":
+            assert w["experts"]["refused_frames"] == 0 and 0.0 <= w["experts"]["idle_fraction"] <= 1.0
+            assert w["experts"]["bytes_in"] > 0 and w["experts"]["bytes_out"] > 0
+
+
+def test_expert_worker_killed_mid_stream_loses_nothing(moe_model, references):
+    """SIGKILL the only expert worker while every stream decodes: the attention worker's exchange in flight fails
+    at once (the connection dropped), those requests continue from their streamed tokens, the pool starts a
+    replacement on the same port, and every stream completes with transformers' tokens, none lost or repeated."""
+    prompts, refs = references
+
+    async def scenario():
+        async with router_over(moe_model, prefill=0, decode=1, expert_workers=1, afd_micro_batches=2,
+                               max_failed_attempts=3) as router:
+            tasks = [asyncio.create_task(collect(router, f"r{i}", p, MAX_NEW)) for i, p in enumerate(prompts)]
+            await async_wait_until(lambda: any(len(f.tokens) >= 2 for f in router.flights.values()),
+                                   60.0, interval_s=0.002, message="no request decoding")
+            os.kill(router.pool.workers["kvbaton-expert-0"].pid, signal.SIGKILL)
+            killed = time.monotonic()
+            outs = await asyncio.gather(*tasks)
+            done = time.monotonic() - killed
+            await async_wait_until(lambda: "kvbaton-expert-0" in router.pool.workers, 60.0, interval_s=0.05,
+                                   message="the expert worker was not replaced")
+            again = await asyncio.gather(*(collect(router, f"again{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
+            return outs, again, done, router.workers_view()
+
+    outs, again, done, view = run(scenario())
+    print(f"every stream done {done:.2f} s after the kill")
+    assert outs == refs and again == refs
+    assert {w["name"]: w["restarts"] for w in view} == {"kvbaton-both-0": 0, "kvbaton-expert-0": 1}
