@@ -39,7 +39,7 @@ from kvbaton.parallel.expert_parallel import ExpertParallelGroup
 from kvbaton.parallel.expert_stats import ExpertStats
 from kvbaton.platform.cpu import FEATURES, detect_cpu
 from kvbaton.platform.startup import StartupClock
-from kvbaton.sched.info import DecodeStepTimes, EngineInfo, EngineStats, ExpertLoad, validate_request
+from kvbaton.sched.info import AfdStats, DecodeStepTimes, EngineInfo, EngineStats, ExpertLoad, validate_request
 from kvbaton.sched.kv_cache_manager import KVCacheManager
 from kvbaton.sched.outputs import (
     FinishReason,
@@ -321,6 +321,8 @@ class EngineCore:
         try:
             start = time.perf_counter()
             model_output = self.runner.execute(sched)
+            if self.expert_pool is not None:
+                self.expert_pool.stats.step_s += time.perf_counter() - start
             if self.expert_stats is not None and not sched.is_empty:
                 self.expert_stats.record_step(sched.decode_steps)
             outputs = self.scheduler.update_from_output(sched, model_output)
@@ -398,7 +400,14 @@ class EngineCore:
                            num_preemptions=self.scheduler.num_preemptions,
                            kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
                            kv_store=tuple(self.store.stats()) if self.store is not None else (),
-                           expert_load=self._expert_load(), decode_steps=self._decode_steps)
+                           expert_load=self._expert_load(), decode_steps=self._decode_steps, afd=self._afd_stats())
+
+    def _afd_stats(self) -> AfdStats | None:
+        if self.expert_pool is None:
+            return None
+        s = self.expert_pool.stats
+        return AfdStats(exchanges=s.exchanges, attention_wait_s=s.wait_s, attention_step_s=s.step_s,
+                        bytes_sent=s.bytes_sent, bytes_received=s.bytes_received)
 
     def _expert_load(self) -> ExpertLoad | None:
         if self.expert_stats is None:

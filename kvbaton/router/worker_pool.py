@@ -41,7 +41,7 @@ from kvbaton.router.errors import EngineDeadError
 from kvbaton.router.expert_view import expert_view
 from kvbaton.router.launcher import Launcher
 from kvbaton.router.supervision import RestartPolicy, SlotState, Supervisor, TaskGuard
-from kvbaton.sched.info import EngineInfo, EngineStats
+from kvbaton.sched.info import AfdStats, EngineInfo, EngineStats
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES, Peer, SequencedCodec, curve_client, curve_keys, curve_server
 
 logger = logging.getLogger(__name__)
@@ -386,6 +386,11 @@ class WorkerPool:
             if loads:  # none: the last figures stay (no worker can take requests now)
                 # NOTE: load from the workers that take requests; cache counters from every worker (prefill ones too)
                 self._stats = EngineStats.total(loads, [w.load.stats for w in self.workers.values() if w.alive])
+                experts = [w.load.exchange for w in self.workers.values() if w.alive and w.load.exchange is not None]
+                if experts and self._stats.afd is not None:  # AFD: the expert side's half of the bubble
+                    expert_side = AfdStats(expert_busy_s=sum(x.busy_s for x in experts),
+                                           expert_alive_s=sum(x.alive_s for x in experts))
+                    self._stats = dataclasses.replace(self._stats, afd=self._stats.afd + expert_side)
         return self._stats
 
     async def check_integrity(self, timeout_s: float = 10.0) -> dict[str, IntegrityReport]:

@@ -91,6 +91,33 @@ class DecodeStepTimes:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AfdStats:
+    """Attention/FFN disaggregation since its workers started: each side's time and how much of it waited on the
+    other (the bubble). An attention worker reports the first half; the pool adds its expert workers' half."""
+
+    exchanges: int = 0  # one per MoE layer and micro-batch
+    attention_wait_s: float = 0.0  # attention blocked on the expert pool
+    attention_step_s: float = 0.0  # the model steps those waits fell in
+    bytes_sent: int = 0  # dispatched rows, as framed
+    bytes_received: int = 0
+    expert_busy_s: float = 0.0  # expert workers computing and answering
+    expert_alive_s: float = 0.0  # expert workers' lifetimes, summed
+
+    def __add__(self, other: AfdStats) -> AfdStats:
+        return AfdStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    @property
+    def attention_bubble(self) -> float:
+        """The share of the attention side's step time spent waiting for experts."""
+        return min(1.0, self.attention_wait_s / self.attention_step_s) if self.attention_step_s > 0 else 0.0
+
+    @property
+    def expert_bubble(self) -> float:
+        """The share of the expert side's life spent waiting for rows."""
+        return max(0.0, 1.0 - self.expert_busy_s / self.expert_alive_s) if self.expert_alive_s > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineStats:
     """One engine's (or, summed, one pool's) load and cache counters, as of its last step."""
 
@@ -106,6 +133,7 @@ class EngineStats:
     kv_store: tuple[TierStats, ...] = ()  # per tier, fastest first
     expert_load: ExpertLoad | None = None  # MoE models only
     decode_steps: DecodeStepTimes = DecodeStepTimes()
+    afd: AfdStats | None = None  # an attention worker's exchanges (a pool's: both sides')
 
     @classmethod
     def total(cls, parts: list[EngineStats], cache_parts: list[EngineStats] | None = None) -> EngineStats:
@@ -124,7 +152,9 @@ class EngineStats:
                    num_preemptions=sum(s.num_preemptions for s in parts),
                    kv_store_hit_tokens=sum(s.kv_store_hit_tokens for s in cache),
                    kv_store=merge_tier_stats([t for s in cache for t in s.kv_store]),
-                   decode_steps=sum((s.decode_steps for s in parts), DecodeStepTimes()))
+                   decode_steps=sum((s.decode_steps for s in parts), DecodeStepTimes()),
+                   afd=sum((s.afd for s in parts if s.afd is not None), AfdStats()) if any(s.afd for s in parts)
+                   else None)
         # NOTE: no expert_load: summed on every step it would cost layers x experts adds; GET /experts sums it
 
     @property

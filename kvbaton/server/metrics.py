@@ -32,6 +32,18 @@ _TIER_GAUGES = {
     "errors": "I/O failures (server gone, disk full), each degraded to a miss or a skipped write",
     "dropped_writes": "Writes skipped (writer behind, tier down)",
 }
+# attention/FFN disaggregation, summed over the live workers since they started (`sched.info.AfdStats`)
+_AFD_GAUGES = {  # metric name: (AfdStats field, help)
+    "attention_bubble_ratio": ("attention_bubble", "Share of the attention workers' step time spent waiting for the "
+                                                   "expert pool (0..1)"),
+    "expert_bubble_ratio": ("expert_bubble", "Share of the expert workers' time spent waiting for rows (0..1)"),
+    "exchanges": ("exchanges", "Dispatch/combine exchanges (one per MoE layer and micro-batch)"),
+    "attention_wait_seconds": ("attention_wait_s", "Seconds the attention workers waited for the expert pool"),
+    "attention_step_seconds": ("attention_step_s", "Seconds of the attention workers' model steps"),
+    "expert_busy_seconds": ("expert_busy_s", "Seconds the expert workers computed"),
+    "sent_bytes": ("bytes_sent", "Bytes the attention workers dispatched to the expert pool"),
+    "received_bytes": ("bytes_received", "Bytes they took back"),
+}
 
 
 class ServerMetrics:
@@ -69,6 +81,7 @@ class ServerMetrics:
         self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all lookups (0..1)")
         self.preemptions = gauge("num_preemptions", "Preemptions since start")
         self.store_hit_tokens = gauge("kv_store_hit_tokens", "Prompt tokens loaded from the KV store tiers since start")
+        self.afd = {field: gauge(f"afd_{name}", doc) for name, (field, doc) in _AFD_GAUGES.items()}
         self.tier = {name: Gauge(f"kvbaton:kv_store_{name}", doc, labels + ["tier"], registry=self.registry)
                      for name, doc in _TIER_GAUGES.items()}
         # NOTE: one series per MoE layer and expert (e.g. 48 x 128 for a Qwen3-MoE-30B): what EPLB balances. In a
@@ -90,6 +103,9 @@ class ServerMetrics:
         self.prefix_hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
         self.preemptions.labels(m).set(stats.num_preemptions)
         self.store_hit_tokens.labels(m).set(stats.kv_store_hit_tokens)
+        if stats.afd is not None:
+            for name, gauge in self.afd.items():
+                gauge.labels(m).set(getattr(stats.afd, name))
         for tier in stats.kv_store:
             for name, gauge in self.tier.items():
                 gauge.labels(m, tier.name).set(getattr(tier, name))

@@ -12,6 +12,9 @@ import signal
 import time
 
 import pytest
+from prometheus_client import generate_latest
+
+from kvbaton.server.metrics import ServerMetrics
 
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
@@ -47,9 +50,14 @@ def test_served_afd_matches_transformers(moe_model, references, prefill, attenti
                                                if w["role"] == "expert"),
                                    10.0, interval_s=0.05, message=lambda: f"no exchanges: {router.workers_view()}")
             listening = {name: listening_addresses(w.pid) for name, w in router.pool.workers.items()}
-            return outs, router.workers_view(), listening
+            # the bubble, both sides, as /metrics shows it (the attention workers' loads come with their outputs)
+            await async_wait_until(lambda: router.stats.afd is not None and router.stats.afd.expert_busy_s > 0, 10.0,
+                                   interval_s=0.05, message=lambda: f"no AFD stats: {router.stats.afd}")
+            metrics = ServerMetrics("m")
+            metrics.observe_stats(router.stats)
+            return outs, router.workers_view(), listening, router.stats.afd, generate_latest(metrics.registry).decode()
 
-    outs, view, listening = run(scenario())
+    outs, view, listening, afd, exposition = run(scenario())
     assert outs == refs
     assert all(address == "127.0.0.1" for ports in listening.values() for address in ports.values()), listening
     roles = sorted(w["role"] for w in view)
@@ -67,6 +75,14 @@ def test_served_afd_matches_transformers(moe_model, references, prefill, attenti
         if w["role"] == "expert":
             assert w["experts"]["refused_frames"] == 0 and 0.0 <= w["experts"]["idle_fraction"] <= 1.0
             assert w["experts"]["bytes_in"] > 0 and w["experts"]["bytes_out"] > 0
+    # every MoE layer of every step's micro-batches exchanged with the pool: 3 MoE layers, at least MAX_NEW steps
+    assert afd.exchanges >= 3 * MAX_NEW and afd.bytes_sent > 0 and afd.bytes_received > 0
+    assert 0 < afd.attention_wait_s < afd.attention_step_s and 0 < afd.expert_busy_s < afd.expert_alive_s
+    assert 0 < afd.attention_bubble < 1 and 0 < afd.expert_bubble < 1
+    gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
+              if line.startswith("kvbaton:afd_")}
+    assert gauges["kvbaton:afd_attention_bubble_ratio"] == pytest.approx(afd.attention_bubble)
+    assert gauges["kvbaton:afd_expert_bubble_ratio"] == pytest.approx(afd.expert_bubble)
 
 
 def test_expert_worker_killed_mid_stream_loses_nothing(moe_model, references):

@@ -59,6 +59,7 @@ class Pending:
 class ClientStats:
     exchanges: int = 0
     wait_s: float = 0.0  # attention blocked on the experts (the attention side's bubble)
+    step_s: float = 0.0  # the model steps the waits fell in (the engine counts them)
     bytes_sent: int = 0
     bytes_received: int = 0
 
