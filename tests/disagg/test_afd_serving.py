@@ -15,7 +15,6 @@ import pytest
 from prometheus_client import generate_latest
 
 from kvbaton.server.metrics import ServerMetrics
-
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
 from tests.support.procs import listening_addresses
@@ -85,28 +84,41 @@ def test_served_afd_matches_transformers(moe_model, references, prefill, attenti
     assert gauges["kvbaton:afd_expert_bubble_ratio"] == pytest.approx(afd.expert_bubble)
 
 
-def test_expert_worker_killed_mid_stream_loses_nothing(moe_model, references):
-    """SIGKILL the only expert worker while every stream decodes: the attention worker's exchange in flight fails
-    at once (the connection dropped), those requests continue from their streamed tokens, the pool starts a
-    replacement on the same port, and every stream completes with transformers' tokens, none lost or repeated."""
+async def _kill_mid_stream(router, prompts, victim: str, tag: str):
+    """Stream every prompt, SIGKILL `victim` once a request has decoded 2 tokens, and return the streams' tokens
+    and how long after the kill the last one finished."""
+    tasks = [asyncio.create_task(collect(router, f"{tag}{i}", p, MAX_NEW)) for i, p in enumerate(prompts)]
+    await async_wait_until(lambda: any(len(f.tokens) >= 2 for f in router.flights.values()),
+                           60.0, interval_s=0.002, message="no request decoding")
+    os.kill(router.pool.workers[victim].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    outs = await asyncio.gather(*tasks)
+    return outs, time.monotonic() - killed
+
+
+@pytest.mark.parametrize(("attention", "experts"), [(1, 1), (2, 2)], ids=["1:1", "2:2"])
+def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention, experts):
+    """SIGKILL an expert worker while every stream decodes (the only one in 1:1): the attention workers' exchanges
+    in flight on it fail at once (the connection dropped), those requests continue from their streamed tokens,
+    the pool starts a replacement on the same port, and every stream completes with transformers' tokens, none
+    lost or repeated. In 2:2, an attention worker is SIGKILLed next: its requests continue on the other one."""
     prompts, refs = references
+    victim = f"kvbaton-expert-{experts - 1}"
 
     async def scenario():
-        async with router_over(moe_model, prefill=0, decode=1, expert_workers=1, afd_micro_batches=2,
-                               max_failed_attempts=3) as router:
-            tasks = [asyncio.create_task(collect(router, f"r{i}", p, MAX_NEW)) for i, p in enumerate(prompts)]
-            await async_wait_until(lambda: any(len(f.tokens) >= 2 for f in router.flights.values()),
-                                   60.0, interval_s=0.002, message="no request decoding")
-            os.kill(router.pool.workers["kvbaton-expert-0"].pid, signal.SIGKILL)
-            killed = time.monotonic()
-            outs = await asyncio.gather(*tasks)
-            done = time.monotonic() - killed
-            await async_wait_until(lambda: "kvbaton-expert-0" in router.pool.workers, 60.0, interval_s=0.05,
+        async with router_over(moe_model, prefill=0, decode=attention, expert_workers=experts, afd_micro_batches=2,
+                               max_failed_attempts=3, decode_policy="round_robin") as router:
+            results = [await _kill_mid_stream(router, prompts, victim, "e")]
+            await async_wait_until(lambda: victim in router.pool.workers, 60.0, interval_s=0.05,
                                    message="the expert worker was not replaced")
+            if attention > 1:
+                results.append(await _kill_mid_stream(router, prompts, "kvbaton-both-1", "a"))
             again = await asyncio.gather(*(collect(router, f"again{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
-            return outs, again, done, router.workers_view()
+            return results, again, router.workers_view()
 
-    outs, again, done, view = run(scenario())
-    print(f"every stream done {done:.2f} s after the kill")
-    assert outs == refs and again == refs
-    assert {w["name"]: w["restarts"] for w in view} == {"kvbaton-both-0": 0, "kvbaton-expert-0": 1}
+    results, again, view = run(scenario())
+    print("every stream done " + ", ".join(f"{done:.2f} s" for _, done in results) + " after each kill")
+    assert all(outs == refs for outs, _ in results) and again == refs
+    restarts = {w["name"]: w["restarts"] for w in view}
+    assert restarts[victim] == 1 and all(n == 0 for name, n in restarts.items()
+                                         if name not in (victim, "kvbaton-both-1"))

@@ -19,7 +19,6 @@ from kvbaton.config import AttentionFFNConfig
 from kvbaton.wire import SECRET_ENV
 from tests.support.helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
 
-EXPERT_SCRIPT = str(Path(__file__).with_name("afd_expert.py"))
 MAX_NEW = 8
 SECRET = "afd-test-secret-0123456789abcdef"
 
@@ -35,8 +34,8 @@ def _prompts(count: int, seed: int = 11) -> list[list[int]]:
 def expert_pool(model: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """`size` expert worker processes over `model`; their exchange addresses; stopped (by PID) at the end."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    procs = [subprocess.Popen([sys.executable, EXPERT_SCRIPT, json.dumps({"model": str(model), "rank": r,
-                                                                          "size": size})],
+    procs = [subprocess.Popen([sys.executable, "-m", "kvbaton.parallel.afd.standalone",
+                               json.dumps({"model": str(model), "rank": r, "size": size})],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(size)]
     try:

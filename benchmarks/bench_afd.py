@@ -1,0 +1,212 @@
+"""Attention/FFN disaggregation (AFD) against colocated serving, on bench_moe_ep.py's random-weight Qwen3-MoE:
+
+    .venv/bin/python benchmarks/bench_afd.py            # ~6 min on 2 cores
+    .venv/bin/python benchmarks/bench_afd.py --quick    # batch 16 only, 1 repeat
+
+Set-ups, every one on the machine's 2 cores, each (set-up, batch) in fresh processes:
+- **colocated**: one engine process, 2 threads, its default decode bursts (the C layer loop; what `kvbaton serve`
+  runs); **colocated, single steps**: the same with `decode_burst=1`, the like-for-like reference for AFD with m > 1
+  (which turns bursts off);
+- **AFD m**: an attention engine (1 thread) whose MoE layers go to one expert worker process (1 thread,
+  `python -m kvbaton.parallel.afd.standalone`) over ZeroMQ on 127.0.0.1, each decode step in m micro-batches.
+
+Per batch (16 / 32 / 64 sequences of 32-token prompts, fresh random ids per repeat): decode throughput (tokens/s
+over the steps where the whole batch decodes, median step), the ratio to colocated, the attention side's bubble
+(share of its step time blocked on the expert pool, per step), the expert side's (1 - its busy time over the
+attention steps' time, the whole run) and the bytes exchanged per step. Output: a table on stdout,
+`benchmarks/results/afd-<stamp>.json` and `benchmarks/results/afd.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common.log import log
+from common.machine import environment
+from common.procs import stop_pids, thread_env
+from common.prompts import fresh_seed, make_prompts
+from common.records import to_json
+from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, ratio, stamp
+from moe_ep_bench.models import DECODE_PROMPT, SHAPE, qwen3_moe_config, write_tokenizer
+
+RESULT_PREFIX = "afd"
+SECRET = "bench-afd-secret-0123456789abcdef"  # the expert worker and the attention engine sign with it
+SETUPS = {  # name: (engine threads, decode_burst (None: the default), micro-batches (0: colocated))
+    "colocated": (2, None, 0), "colocated, single steps": (2, 1, 0),
+    "AFD m=1": (1, None, 1), "AFD m=2": (1, None, 2), "AFD m=4": (1, None, 4)}
+
+
+def build_model(root: Path, seed: int) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(qwen3_moe_config(), dtype=torch.bfloat16).eval()
+    out = root / "qwen3-moe"
+    model.save_pretrained(str(out))
+    write_tokenizer(out)
+    return out
+
+
+# ---- one (set-up, batch), in its own process ------------------------------------------------------
+
+
+def run_job(job: dict) -> dict:
+    """The engine of one set-up over `job["batch"]` sequences: every step timed, with the expert pool's counters."""
+    from kvbaton import LLM, SamplingParams
+    from kvbaton.config import AttentionFFNConfig
+
+    afd = AttentionFFNConfig(experts=tuple(job["experts"]), micro_batches=job["m"]) if job["experts"] else None
+    extra = {"decode_burst": job["burst"]} if job["burst"] is not None else {}
+    llm = LLM(job["model"], dtype="bfloat16", num_threads=job["threads"], max_model_len=512,
+              kv_cache_memory_gb=0.5, attention_ffn=afd, max_num_seqs=max(64, job["batch"]), **extra)
+    core = llm.engine.core
+    pool = core.expert_pool
+    steps: list[list[float]] = []
+    real_step, real_execute = core.step, core.runner.execute
+    shape = [0, 0, 1]
+
+    def execute(sched):
+        shape[:] = [sched.num_scheduled_tokens, len(sched.scheduled), sched.decode_steps]
+        return real_execute(sched)
+
+    def step():
+        before = (pool.stats.wait_s, pool.stats.bytes_sent + pool.stats.bytes_received) if pool else (0.0, 0)
+        t = time.perf_counter()
+        result = real_step()
+        wall = time.perf_counter() - t
+        after = (pool.stats.wait_s, pool.stats.bytes_sent + pool.stats.bytes_received) if pool else (0.0, 0)
+        steps.append([*shape, wall, after[0] - before[0], after[1] - before[1]])
+        return result
+
+    core.step, core.runner.execute = step, execute
+    phases = []
+    for tag, n, tokens in [("warm", min(job["batch"], 8), 4)] + [(f"decode-{r}", job["batch"], job["tokens"] + 1)
+                                                                 for r in range(job["repeats"])]:
+        prompts = make_prompts(job["seed"], f"{tag}-{job['batch']}", n, DECODE_PROMPT, SHAPE["vocab_size"])
+        steps.clear()
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        # the steps where the whole batch decodes: [tokens, seqs, decode_steps, wall, wait, bytes]
+        full = [s for s in steps if s[1] == n and s[0] == n * s[2]]
+        phases.append({"tag": tag, "steps": full})
+    totals = {"wait_s": pool.stats.wait_s, "step_s": pool.stats.step_s} if pool else {}
+    core.close()
+    return {"phases": phases[1:], "compute_path": llm.engine.info.compute_path, **totals}
+
+
+def launch_job(model: Path, setup: str, batch: int, args: argparse.Namespace, seed: int) -> dict:
+    threads, burst, m = SETUPS[setup]
+    env = {**thread_env(threads), "KVBATON_CLUSTER_SECRET": SECRET}
+    expert, experts, expert_stats = None, [], None
+    pids: list[int] = []
+    try:
+        if m:
+            expert = subprocess.Popen([sys.executable, "-m", "kvbaton.parallel.afd.standalone",
+                                       json.dumps({"model": str(model), "rank": 0, "size": 1, "dtype": "bfloat16",
+                                                   "threads": 1})],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=thread_env(1)
+                                      | {"KVBATON_CLUSTER_SECRET": SECRET})
+            pids.append(expert.pid)
+            experts = [json.loads(expert.stdout.readline())["address"]]  # type: ignore[union-attr]
+        job = {"model": str(model), "threads": threads, "burst": burst, "m": m, "experts": experts, "batch": batch,
+               "tokens": args.decode_tokens, "repeats": args.repeats, "seed": seed}
+        proc = subprocess.run([sys.executable, __file__, "--run", json.dumps(job)], capture_output=True, text=True,
+                              env=env, timeout=args.job_timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{setup} at batch {batch} failed:\n{proc.stderr[-3000:]}")
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        if expert is not None:
+            out, _ = expert.communicate("", timeout=30)
+            expert_stats = json.loads(out.strip().splitlines()[-1])
+        return {"setup": setup, "batch": batch, **result, "expert": expert_stats}
+    finally:
+        stop_pids([p for p in pids if expert is None or expert.poll() is None])
+
+
+# ---- the summary ---------------------------------------------------------------------------------
+
+
+def summarize(run: dict) -> dict:
+    """Per (set-up, batch): median step, throughput, bubbles, bytes per step."""
+    rows = {}
+    for r in run["jobs"]:
+        steps = [s for ph in r["phases"] for s in ph["steps"]]
+        per_token_step = [s[3] / s[2] for s in steps]
+        med = statistics.median(per_token_step) if steps else None
+        row = {"step_ms": med * 1e3 if med else None, "tok_s": r["batch"] / med if med else None,
+               "steps": len(steps)}
+        if r.get("expert"):
+            row["attention_bubble"] = statistics.median(s[4] / s[3] for s in steps)
+            row["bytes_per_step"] = statistics.median(s[5] / s[2] for s in steps)
+            row["expert_bubble"] = max(0.0, 1.0 - r["expert"]["busy_s"] / r["step_s"]) if r["step_s"] else None
+        rows[(r["setup"], r["batch"])] = row
+    return rows
+
+
+def render(run: dict, rows: dict) -> str:
+    env = run["environment"]
+    lines = [f"# Attention/FFN disaggregation vs colocated (random-weight Qwen3-MoE, {env['cpus']} cores)", "",
+             "```bash", run["command"], "```", "",
+             f"Run {run['started']} on {env['cpu']} ({env['cpu_features']}), torch {env['torch']}, kvbaton "
+             f"{env['kvbaton_commit']}; seed {run['seed']}; {run['wall_s'] / 60:.1f} min. Model: bench_moe_ep.py's "
+             f"(hidden {SHAPE['hidden_size']}, {SHAPE['num_hidden_layers']} MoE layers, {SHAPE['num_experts']} "
+             f"experts, top-{SHAPE['num_experts_per_tok']}), bf16; {run['decode_tokens']} decode steps x "
+             f"{run['repeats']} repeats per batch, medians over the steps where the whole batch decodes.", "",
+             "| set-up | batch | ms per decode step | tokens/s | vs colocated | vs colocated single steps | "
+             "attention bubble | expert bubble | KiB per step |", "|---|---|---|---|---|---|---|---|---|"]
+    for (setup, batch), row in rows.items():
+        base, single = rows.get(("colocated", batch), {}), rows.get(("colocated, single steps", batch), {})
+        lines.append(f"| {setup} | {batch} | {fmt(row['step_ms'])} | {fmt(row['tok_s'], '.0f')} | "
+                     f"{fmt(ratio(row['tok_s'], base.get('tok_s')), '.2f')} | "
+                     f"{fmt(ratio(row['tok_s'], single.get('tok_s')), '.2f')} | "
+                     f"{fmt(row.get('attention_bubble'), '.2f')} | {fmt(row.get('expert_bubble'), '.2f')} | "
+                     f"{fmt(row['bytes_per_step'] / 1024 if row.get('bytes_per_step') else None, '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", help=argparse.SUPPRESS)  # one job, in this process (the parent's child)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batches", default="16,32,64")
+    ap.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, of: " + ", ".join(SETUPS))
+    ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--job-timeout-s", type=float, default=600.0)
+    ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    args = ap.parse_args()
+    if args.run:
+        print(json.dumps(run_job(json.loads(args.run))))
+        return
+    if args.quick:
+        args.batches, args.repeats = "16", 1
+    started, t0 = dt.datetime.now(dt.timezone.utc), time.perf_counter()
+    seed = args.seed if args.seed is not None else fresh_seed()
+    log(f"seed {seed}")
+    jobs = []
+    with tempfile.TemporaryDirectory(prefix="kvbaton-bench-afd-") as tmp:
+        model = build_model(Path(tmp), seed)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            for setup in args.setups.split(","):
+                log(f"{setup}, batch {batch}")
+                jobs.append(launch_job(model, setup, batch, args, seed))
+    run = {"command": command_line("bench_afd.py", sys.argv[1:]), "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+           "seed": seed, "environment": to_json(environment()), "decode_tokens": args.decode_tokens,
+           "repeats": args.repeats, "jobs": jobs, "wall_s": time.perf_counter() - t0}
+    rows = summarize(run)
+    prefix = RESULT_PREFIX + ("-quick" if args.quick else "")
+    ResultFiles.of(args.out_dir, prefix, stamp(started)).write(run, render(run, rows), run["wall_s"])
+
+
+if __name__ == "__main__":
+    main()
