@@ -1,0 +1,161 @@
+"""An expert worker's exchange socket under hostile frames: a real `ExpertServer` (its thread, its ROUTER bound to
+127.0.0.1) over a tiny Qwen3-MoE shard, fed from raw DEALER sockets. Garbage, truncated, bit-flipped, forged,
+unknown, multi-part and oversized frames are refused without an answer (and counted); well-signed dispatches it
+cannot serve get `ExchangeFailed` naming why; after every batch a valid dispatch still gets its exact rows."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+import torch
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbaton.parallel.afd.frames import (
+    CombinedRows,
+    DispatchRows,
+    ExchangeFailed,
+    FromExpert,
+    PoolHello,
+    PoolWelcome,
+    ToExpert,
+    max_frame_bytes,
+)
+from kvbaton.parallel.afd.server import ExpertServer, bytes_of, rows_of
+from kvbaton.parallel.afd.shard import ExpertShard, ShardSpec
+from kvbaton.wire import SignedCodec
+
+SECRET = secrets.token_hex(32).encode()
+MAX_ROWS = 64
+REPLY_MS = 5000  # a reply that is due comes within this
+SILENCE_MS = 150  # a refused frame gets no reply: nothing within this
+
+
+@pytest.fixture(scope="module")
+def server(tiny_moe_models):
+    shard = ExpertShard(ShardSpec(tiny_moe_models["qwen3_moe"], rank=0, size=2))
+    server = ExpertServer(shard, SECRET, max_rows=MAX_ROWS)
+    server.start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.term()
+
+
+@pytest.fixture
+def dealer(ctx, server):
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(server.address)
+    yield socket
+    socket.close(linger=0)
+
+
+def codecs(server: ExpertServer, secret: bytes = SECRET) -> tuple[SignedCodec, SignedCodec]:
+    limit = max_frame_bytes(MAX_ROWS, server.shard.hidden, server.shard.dtype_name)
+    return SignedCodec(secret, ToExpert, limit), SignedCodec(secret, FromExpert, limit)
+
+
+def dispatch(server: ExpertServer, n: int = 5, ticket: int = 1, seed: int = 0) -> tuple[DispatchRows, torch.Tensor]:
+    """A valid dispatch of n rows to the worker's slots, and the rows its experts must answer."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n, server.shard.hidden, generator=gen)
+    slots = torch.randint(0, len(server.shard.slots), (n,), generator=gen)
+    layer = min(server.shard.layers)
+    return (DispatchRows(ticket, layer, bytes_of(rows), bytes_of(slots.to(torch.int32))),
+            server.shard.compute(layer, rows, slots))
+
+
+def reply(socket: zmq.Socket, server: ExpertServer, timeout_ms: int = REPLY_MS):
+    if not socket.poll(timeout_ms):
+        return None
+    return codecs(server)[1].decode(socket.recv())
+
+
+def assert_still_serves(socket: zmq.Socket, server: ExpertServer, ticket: int = 99) -> None:
+    msg, expected = dispatch(server, ticket=ticket, seed=ticket)
+    socket.send(codecs(server)[0].encode(msg))
+    got = reply(socket, server)
+    assert isinstance(got, CombinedRows) and got.ticket == ticket
+    assert torch.equal(rows_of(got.rows, torch.float32, server.shard.hidden), expected)
+
+
+def test_a_valid_hello_and_dispatch_are_answered(dealer, server):
+    request, _ = codecs(server)
+    dealer.send(request.encode(PoolHello("a", server.shard.hidden, "float32", server.shard.num_experts)))
+    welcome = reply(dealer, server)
+    assert isinstance(welcome, PoolWelcome) and welcome.slots == list(server.shard.slots)
+    assert_still_serves(dealer, server)
+
+
+def test_unsigned_forged_and_damaged_frames_get_no_answer(dealer, server):
+    request, _ = codecs(server)
+    forger, _ = codecs(server, secrets.token_hex(32).encode())
+    msg, _ = dispatch(server)
+    good = request.encode(msg)
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x01
+    before = server.stats.refused_frames
+    hostile = [b"", b"garbage", good[:31], good[:-1], bytes(flipped), forger.encode(msg),
+               request.sign(b"\xc1") + b"\xc1",  # signed, but not msgpack
+               request.sign(b"\x81\xa4type\xa4nope") + b"\x81\xa4type\xa4nope"]  # signed, an unknown message
+    for frame in hostile:
+        dealer.send(frame)
+    dealer.send_multipart([good, good])  # a frame in two parts: not one of ours
+    assert reply(dealer, server, SILENCE_MS) is None
+    assert_still_serves(dealer, server)  # one connection's frames are served in order: every one before is counted
+    assert server.stats.refused_frames - before == len(hostile) + 1
+
+
+@pytest.mark.parametrize("damage", ["layer", "slot", "negative slot", "row bytes", "slot bytes", "too many rows"])
+def test_signed_dispatches_it_cannot_serve_fail_that_exchange_only(dealer, server, damage):
+    request, _ = codecs(server)
+    msg, _ = dispatch(server, ticket=7)
+    hidden_bytes = server.shard.hidden * 4
+    bad = {"layer": DispatchRows(7, max(server.shard.layers) + 100, msg.rows, msg.slots),
+           "slot": DispatchRows(7, msg.layer, msg.rows, bytes_of(torch.full((5,), 999, dtype=torch.int32))),
+           "negative slot": DispatchRows(7, msg.layer, msg.rows, bytes_of(torch.full((5,), -1, dtype=torch.int32))),
+           "row bytes": DispatchRows(7, msg.layer, msg.rows[:-1], msg.slots),
+           "slot bytes": DispatchRows(7, msg.layer, msg.rows, msg.slots[:-2]),
+           "too many rows": DispatchRows(7, msg.layer, b"\0" * hidden_bytes * (MAX_ROWS + 1),
+                                         b"\0" * 4 * (MAX_ROWS + 1))}[damage]
+    frame = request.encode(bad)
+    if len(frame) > request.max_frame_bytes:  # past the socket's limit: ZeroMQ drops the connection, not the server
+        dealer.send(frame)
+        assert reply(dealer, server, SILENCE_MS) is None
+        return
+    dealer.send(frame)
+    got = reply(dealer, server)
+    assert isinstance(got, ExchangeFailed) and got.ticket == 7 and got.message
+    assert_still_serves(dealer, server)
+
+
+def test_an_oversized_frame_drops_only_its_senders_connection(ctx, dealer, server):
+    attacker = ctx.socket(zmq.DEALER)
+    attacker.setsockopt(zmq.LINGER, 0)
+    attacker.connect(server.address)
+    try:
+        attacker.send(b"\0" * (codecs(server)[0].max_frame_bytes + 1))
+        assert reply(attacker, server, SILENCE_MS) is None
+        assert_still_serves(dealer, server)  # everyone else is served on
+    finally:
+        attacker.close(linger=0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frame=st.binary(max_size=2048))
+def test_random_frames_never_get_an_answer(dealer, server, frame):
+    dealer.send(frame)
+    assert reply(dealer, server, 20) is None
+
+
+def test_the_server_serves_after_the_fuzzing(dealer, server):
+    assert server.serving
+    assert_still_serves(dealer, server, ticket=123)
