@@ -8,7 +8,8 @@ Set-ups, every one on the machine's 2 cores, each (set-up, batch) in fresh proce
   runs); **colocated, single steps**: the same with `decode_burst=1`, the like-for-like reference for AFD with m > 1
   (which turns bursts off);
 - **AFD m**: an attention engine (1 thread) whose MoE layers go to one expert worker process (1 thread,
-  `python -m kvbaton.parallel.afd.standalone`) over ZeroMQ on 127.0.0.1, each decode step in m micro-batches.
+  `python -m kvbaton.parallel.afd.standalone`) over ZeroMQ on 127.0.0.1, each decode step in m micro-batches;
+  **AFD auto**: m chosen per step by the engine (`--afd-micro-batches auto`), its exploration steps included.
 
 Per batch (16 / 32 / 64 sequences of 32-token prompts, fresh random ids per repeat): decode throughput (tokens/s
 over the steps where the whole batch decodes, median step), the ratio to colocated, the attention side's bubble
@@ -39,9 +40,9 @@ from moe_ep_bench.models import DECODE_PROMPT, SHAPE, qwen3_moe_config, write_to
 
 RESULT_PREFIX = "afd"
 SECRET = "bench-afd-secret-0123456789abcdef"  # the expert worker and the attention engine sign with it
-SETUPS = {  # name: (engine threads, decode_burst (None: the default), micro-batches (0: colocated))
-    "colocated": (2, None, 0), "colocated-single-steps": (2, 1, 0),
-    "afd-m1": (1, None, 1), "afd-m2": (1, None, 2), "afd-m4": (1, None, 4)}
+SETUPS = {  # name: (engine threads, decode_burst (None: the default), micro-batches (None: colocated; 0: auto))
+    "colocated": (2, None, None), "colocated-single-steps": (2, 1, None),
+    "afd-m1": (1, None, 1), "afd-m2": (1, None, 2), "afd-m4": (1, None, 4), "afd-auto": (1, None, 0)}
 
 
 def build_model(root: Path, seed: int) -> Path:
@@ -110,7 +111,7 @@ def launch_job(model: Path, setup: str, batch: int, args: argparse.Namespace, se
     expert, experts, expert_stats = None, [], None
     pids: list[int] = []
     try:
-        if m:
+        if m is not None:
             expert = subprocess.Popen([sys.executable, "-m", "kvbaton.parallel.afd.standalone",
                                        json.dumps({"model": str(model), "rank": 0, "size": 1, "dtype": "bfloat16",
                                                    "threads": 1})],

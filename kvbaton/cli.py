@@ -218,9 +218,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                           "workers become attention workers that send each MoE layer's tokens there (0: off)")
     afd.add_argument("--attention-workers", type=int, default=None, metavar="N",
                      help="with --expert-workers: the attention workers (the same as --decode N)")
-    afd.add_argument("--afd-micro-batches", type=int, default=1, metavar="M",
+    afd.add_argument("--afd-micro-batches", type=_micro_batches, default=1, metavar="auto|M",
                      help="with --expert-workers: each decode step runs as M micro-batches, the experts computing one "
-                          "while attention computes the next (default 1)")
+                          "while attention computes the next; auto: each attention worker tries 1-4 per batch size "
+                          "and keeps the fastest, trying the others again now and then (default 1)")
     pd.add_argument("--allow-insecure-kv-transport", action="store_true",
                     help="allow --kv-transport mooncake (it listens on every interface, whatever --host says) and "
                          "expert-parallel groups off loopback: they authenticate no peer (any host that reaches "
@@ -327,6 +328,19 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                               eplb_objective=args.eplb_objective, expert_workers=args.expert_workers,
                               afd_micro_batches=args.afd_micro_batches,
                               prefill_ep_size=args.prefill_expert_parallel_size or args.expert_parallel_size))
+
+
+def _micro_batches(value: str) -> int:
+    """--afd-micro-batches: `auto` (0) or a count >= 1."""
+    if value == "auto":
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 1, not {value!r}") from None
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected auto or a count >= 1, not {value!r}")
+    return count
 
 
 def _add_autoscale_args(serve: argparse.ArgumentParser) -> None:

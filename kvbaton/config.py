@@ -406,14 +406,14 @@ class AttentionFFNConfig:
 
     experts: tuple[str, ...]  # tcp://host:port of each expert worker's exchange socket
     index: int = 0  # this attention worker's index (spreads its tokens over a hot expert's copies)
-    micro_batches: int = 1
+    micro_batches: int = 1  # 0: auto, chosen per step from measured step times (`engine/micro_batches.py`)
     timeout_s: float = 30.0  # an expert worker silent for this long fails the step (it died)
 
     def __post_init__(self) -> None:
         if not self.experts:
             raise ConfigError("attention/FFN disaggregation needs at least one expert worker")
-        if self.micro_batches < 1:
-            raise ConfigError(f"micro-batches must be >= 1, not {self.micro_batches}")
+        if self.micro_batches < 0:
+            raise ConfigError(f"micro-batches must be >= 1, or 0 for auto, not {self.micro_batches}")
         if self.timeout_s <= 0 or self.index < 0:
             raise ConfigError("the expert pool's timeout must be positive and the attention index >= 0")
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvbaton.config import KV_CACHE_DTYPES, ConfigError, EngineConfig, ModelConfig
+from kvbaton.engine.micro_batches import MicroBatchChooser
 from kvbaton.engine.model_runner import ModelRunner
 from kvbaton.engine.structured.admission import GrammarAdmission
 from kvbaton.engine.structured.grammar import GrammarCompiler
@@ -139,6 +140,7 @@ class EngineCore:
         self.expert_parallel = self._join_expert_parallel(model_dir)
         if self.expert_parallel is not None:
             clock.lap("expert parallel")  # its rendezvous and shard
+        self.micro_batch_chooser: MicroBatchChooser | None = None
         self.expert_pool = self._join_expert_pool(model)
         if self.expert_pool is not None:
             clock.lap("expert pool")
@@ -161,7 +163,7 @@ class EngineCore:
         scheduler_config = config.scheduler
         if self.expert_parallel is not None:  # every rank runs each step's MoE exchange: steps stay in lockstep
             scheduler_config = dataclasses.replace(scheduler_config, decode_burst=1)
-        if config.attention_ffn is not None and config.attention_ffn.micro_batches > 1:
+        if config.attention_ffn is not None and config.attention_ffn.micro_batches != 1:
             # NOTE: a burst runs in the C layer loop, whose exchanges take the whole batch: no ping-pong there yet
             scheduler_config = dataclasses.replace(scheduler_config, decode_burst=1)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, max_model_len, self.store,
@@ -231,7 +233,8 @@ class EngineCore:
                                 max_rows=self.config.scheduler.max_num_batched_tokens * moe.top_k)
         for layer in layers:
             layer.block.use_remote_experts(pool.dispatcher(layer.index))
-        model.micro_batches = afd.micro_batches  # type: ignore[assignment]
+        model.micro_batches = afd.micro_batches or 1  # type: ignore[assignment]
+        self.micro_batch_chooser = MicroBatchChooser() if afd.micro_batches == 0 else None
         return pool
 
     def prefault_kv_pools(self) -> None:
@@ -318,11 +321,14 @@ class EngineCore:
             self.expert_parallel.join_step(has_tokens=not sched.is_empty)
         if sched.is_empty and self.scheduler.loading and self.store is not None:
             self.store.wait_for_load(LOAD_WAIT_S)  # nothing else to run: no busy loop while a prefix loads
+        chosen = self._choose_micro_batches(sched)
         try:
             start = time.perf_counter()
             model_output = self.runner.execute(sched)
             if self.expert_pool is not None:
                 self.expert_pool.stats.step_s += time.perf_counter() - start
+            if chosen is not None and self.micro_batch_chooser is not None:
+                self.micro_batch_chooser.record(len(sched.scheduled), chosen, time.perf_counter() - start)
             if self.expert_stats is not None and not sched.is_empty:
                 self.expert_stats.record_step(sched.decode_steps)
             outputs = self.scheduler.update_from_output(sched, model_output)
@@ -401,6 +407,16 @@ class EngineCore:
                            kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
                            kv_store=tuple(self.store.stats()) if self.store is not None else (),
                            expert_load=self._expert_load(), decode_steps=self._decode_steps, afd=self._afd_stats())
+
+    def _choose_micro_batches(self, sched: SchedulerOutput) -> int | None:
+        """--afd-micro-batches auto: set this decode step's micro-batch count (None: not a step it chooses for)."""
+        if self.micro_batch_chooser is None or sched.is_empty or sched.decode_steps != 1:
+            return None
+        if sched.num_scheduled_tokens != len(sched.scheduled):  # a prompt chunk in it: it runs whole
+            return None
+        chosen = self.micro_batch_chooser.pick(len(sched.scheduled))
+        self.runner.model.micro_batches = chosen
+        return chosen
 
     def _afd_stats(self) -> AfdStats | None:
         if self.expert_pool is None:

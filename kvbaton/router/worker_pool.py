@@ -64,15 +64,15 @@ class PoolConfig:
     # attention/FFN disaggregation: this many expert workers hold every MoE layer's routed experts, and the decode
     # (colocated) workers are attention workers that dispatch to them, each decode step in this many micro-batches
     expert_workers: int = 0
-    afd_micro_batches: int = 1
+    afd_micro_batches: int = 1  # 0: auto (each attention worker measures its own steps)
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.dead_after_s:
             raise ConfigError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
         if min(self.prefill_ep_size, self.decode_ep_size) < 1:
             raise ConfigError("expert-parallel sizes must be >= 1")
-        if self.expert_workers < 0 or self.afd_micro_batches < 1:
-            raise ConfigError("need --expert-workers >= 0 and --afd-micro-batches >= 1")
+        if self.expert_workers < 0 or self.afd_micro_batches < 0:
+            raise ConfigError("need --expert-workers >= 0 and --afd-micro-batches auto or >= 1")
         if self.expert_workers and (self.decode_ep_size > 1 or self.num_redundant_experts or self.eplb_interval_steps):
             raise ConfigError("--expert-workers puts the decode workers' experts in an expert pool: it cannot be "
                               "combined with --expert-parallel-size or EPLB for them yet")

@@ -96,8 +96,8 @@ async def _kill_mid_stream(router, prompts, victim: str, tag: str):
     return outs, time.monotonic() - killed
 
 
-@pytest.mark.parametrize(("attention", "experts"), [(1, 1), (2, 2)], ids=["1:1", "2:2"])
-def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention, experts):
+@pytest.mark.parametrize(("attention", "experts", "micro_batches"), [(1, 1, 2), (2, 2, 0)], ids=["1:1-m2", "2:2-auto"])
+def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention, experts, micro_batches):
     """SIGKILL an expert worker while every stream decodes (the only one in 1:1): the attention workers' exchanges
     in flight on it fail at once (the connection dropped), those requests continue from their streamed tokens,
     the pool starts a replacement on the same port, and every stream completes with transformers' tokens, none
@@ -106,8 +106,9 @@ def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention
     victim = f"kvbaton-expert-{experts - 1}"
 
     async def scenario():
-        async with router_over(moe_model, prefill=0, decode=attention, expert_workers=experts, afd_micro_batches=2,
-                               max_failed_attempts=3, decode_policy="round_robin") as router:
+        async with router_over(moe_model, prefill=0, decode=attention, expert_workers=experts,
+                               afd_micro_batches=micro_batches, max_failed_attempts=3,
+                               decode_policy="round_robin") as router:
             results = [await _kill_mid_stream(router, prompts, victim, "e")]
             await async_wait_until(lambda: victim in router.pool.workers, 60.0, interval_s=0.05,
                                    message="the expert worker was not replaced")

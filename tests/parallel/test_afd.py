@@ -89,6 +89,8 @@ def test_one_expert_worker_and_two_attention_engines_share_it(afd_models, coloca
     prompts, refs = colocated
     model = afd_models["qwen3_moe"]
     with expert_pool(model, 1, monkeypatch) as experts:
-        first, second = _attention(model, experts, 0, 2), _attention(model, experts, 1, 3)
+        first, second = _attention(model, experts, 0, 2), _attention(model, experts, 1, 0)  # m = 2; auto
         assert greedy(first, MAX_NEW, prompts[:3]) == refs["qwen3_moe"][:3]
         assert greedy(second, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]
+        # auto tried each count its 3-row decode steps allow (1, 2, 3) and settled on one
+        assert list(second.engine.core.micro_batch_chooser.choices()) == [4]
