@@ -276,7 +276,7 @@ class Router:
             if prefill.alive:
                 await self.pool.send(prefill, AbortRequests([flight.attempt_id]))
         decode = self.pool.get(flight.decode)
-        if decode is not None and decode.alive:
+        if decode is not None and decode.alive and decode.role == WorkerRole.DECODE:  # only it reserves receives
             await self.pool.send(decode, CancelReceive([flight.attempt_id]))
         await self._retry(flight)
 
