@@ -357,6 +357,10 @@ class WorkerPool:
         """None while the pool can serve; else why not (what /health and the 503s say)."""
         if self.failed is not None:
             return self.failed
+        lost = [s.describe(self.config.restart) for s in self.supervisor.not_up()
+                if s.spec.role == WorkerRole.EXPERT and s.state == SlotState.DOWN]
+        if lost:  # NOTE: a restarting one is not: what the attention workers post waits for its replacement
+            return f"{'; '.join(lost)}; the attention workers cannot compute the MoE layers without its experts"
         if self.can_decode:
             return None
         slots = [s.describe(self.config.restart) for s in self.supervisor.not_up() if s.spec.role.decodes]

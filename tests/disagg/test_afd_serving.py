@@ -14,6 +14,8 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
+from kvbaton.router.errors import EngineDeadError
+from kvbaton.router.supervision import RestartPolicy
 from kvbaton.server.metrics import ServerMetrics
 from tests.support.helpers import hf_greedy, tiny_prompts
 from tests.support.pd import collect, router_over, run
@@ -123,3 +125,23 @@ def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention
     restarts = {w["name"]: w["restarts"] for w in view}
     assert restarts[victim] == 1 and all(n == 0 for name, n in restarts.items()
                                          if name not in (victim, "kvbaton-both-1"))
+
+
+def test_an_expert_worker_down_for_good_takes_the_pool_down_with_the_reason(moe_model):
+    """With no restart left, a dead expert worker leaves its experts nowhere: the pool says so (/health's 503
+    reason) and a new request fails at once with it, rather than waiting on exchanges that cannot happen."""
+    prompt = tiny_prompts(5, [6])[0]
+
+    async def scenario():
+        async with router_over(moe_model, prefill=0, decode=1, expert_workers=1,
+                               restart=RestartPolicy(max_restarts=0)) as router:
+            os.kill(router.pool.workers["kvbaton-expert-0"].pid, signal.SIGKILL)
+            await async_wait_until(lambda: not router.is_alive, 30.0, interval_s=0.05,
+                                   message="the pool did not go down")
+            with pytest.raises(EngineDeadError) as refused:
+                await collect(router, "after", prompt, MAX_NEW)
+            return router.pool.down_reason, str(refused.value)
+
+    reason, refused = run(scenario())
+    assert "kvbaton-expert-0 is down for good" in reason and "MoE layers" in reason
+    assert refused == reason
