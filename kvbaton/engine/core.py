@@ -140,7 +140,8 @@ class EngineCore:
         self.expert_parallel = self._join_expert_parallel(model_dir)
         if self.expert_parallel is not None:
             clock.lap("expert parallel")  # its rendezvous and shard
-        self.micro_batch_chooser: MicroBatchChooser | None = None
+        afd = config.attention_ffn
+        self.micro_batch_chooser = MicroBatchChooser() if afd is not None and afd.micro_batches == 0 else None
         self.expert_pool = self._join_expert_pool(model)
         if self.expert_pool is not None:
             clock.lap("expert pool")
@@ -234,7 +235,6 @@ class EngineCore:
         for layer in layers:
             layer.block.use_remote_experts(pool.dispatcher(layer.index))
         model.micro_batches = afd.micro_batches or 1  # type: ignore[assignment]
-        self.micro_batch_chooser = MicroBatchChooser() if afd.micro_batches == 0 else None
         return pool
 
     def prefault_kv_pools(self) -> None:
@@ -326,9 +326,10 @@ class EngineCore:
             start = time.perf_counter()
             model_output = self.runner.execute(sched)
             if self.expert_pool is not None:
-                self.expert_pool.stats.step_s += time.perf_counter() - start
-            if chosen is not None and self.micro_batch_chooser is not None:
-                self.micro_batch_chooser.record(len(sched.scheduled), chosen, time.perf_counter() - start)
+                executed_s = time.perf_counter() - start
+                self.expert_pool.stats.step_s += executed_s
+                if chosen is not None and self.micro_batch_chooser is not None:
+                    self.micro_batch_chooser.record(len(sched.scheduled), chosen, executed_s)
             if self.expert_stats is not None and not sched.is_empty:
                 self.expert_stats.record_step(sched.decode_steps)
             outputs = self.scheduler.update_from_output(sched, model_output)

@@ -17,7 +17,7 @@ import msgspec
 
 from kvbaton.kv.layout import KVLayout
 from kvbaton.messages.worker_spec import WorkerRole
-from kvbaton.sched.info import EngineInfo, EngineStats
+from kvbaton.sched.info import AfdStats, EngineInfo, EngineStats
 from kvbaton.sched.outputs import EngineCoreOutput, FinishReason, RemoteDecode
 from kvbaton.sched.sampling_params import SamplingParams
 
@@ -134,7 +134,7 @@ class ExchangeLoad(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def idle_fraction(self) -> float:
-        return max(0.0, 1.0 - self.busy_s / self.alive_s) if self.alive_s > 0 else 1.0
+        return AfdStats(expert_busy_s=self.busy_s, expert_alive_s=self.alive_s).expert_bubble
 
 
 class WorkerLoad(msgspec.Struct):

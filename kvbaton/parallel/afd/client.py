@@ -73,7 +73,6 @@ class ExpertPoolClient:
         limit = max_frame_bytes(max_rows, hidden, self.dtype_name)
         self._codec = SignedCodec(secret, FromExpert, limit)
         self._requests = SignedCodec(secret, ToExpert, limit)
-        self._timeout_ms = int(config.timeout_s * 1000)
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
         self._monitors: list[zmq.Socket] = []  # each socket's disconnections

@@ -9,7 +9,6 @@ to it by themselves.
 
 from __future__ import annotations
 
-import logging
 import time
 
 from kvbaton.engine.core import resolve_dtype
@@ -29,7 +28,6 @@ from kvbaton.platform.startup import StartupClock
 from kvbaton.sched.info import EngineStats
 from kvbaton.worker.roles.base import Handler, Role, WorkerContext
 
-logger = logging.getLogger("kvbaton.worker")
 WATCH_MS = 200  # how often a round looks at the exchange thread and reports its counters (the work is on that thread)
 
 
