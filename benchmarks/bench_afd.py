@@ -8,7 +8,9 @@ Set-ups, every one on the machine's 2 cores, each (set-up, batch) in fresh proce
   runs); **colocated, single steps**: the same with `decode_burst=1`, the like-for-like reference for AFD with m > 1
   (which turns bursts off);
 - **AFD m**: an attention engine (1 thread) whose MoE layers go to one expert worker process (1 thread,
-  `python -m kvbaton.parallel.afd.standalone`) over ZeroMQ on 127.0.0.1, each decode step in m micro-batches;
+  `python -m kvbaton.parallel.afd.standalone`), each decode step in m micro-batches, the rows through same-host
+  shared memory (signed ZeroMQ frames on 127.0.0.1 naming the slot; what `kvbaton serve` does on one host);
+  **AFD m frames**: the same with the rows inside the signed frames (the cross-host path, here over 127.0.0.1);
   **AFD auto**: m chosen per step by the engine (`--afd-micro-batches auto`), its exploration steps included.
 
 Per batch (16 / 32 / 64 sequences of 32-token prompts, fresh random ids per repeat): decode throughput (tokens/s
@@ -40,9 +42,11 @@ from moe_ep_bench.models import DECODE_PROMPT, SHAPE, qwen3_moe_config, write_to
 
 RESULT_PREFIX = "afd"
 SECRET = "bench-afd-secret-0123456789abcdef"  # the expert worker and the attention engine sign with it
-SETUPS = {  # name: (engine threads, decode_burst (None: the default), micro-batches (None: colocated; 0: auto))
-    "colocated": (2, None, None), "colocated-single-steps": (2, 1, None),
-    "afd-m1": (1, None, 1), "afd-m2": (1, None, 2), "afd-m4": (1, None, 4), "afd-auto": (1, None, 0)}
+SETUPS = {  # name: (engine threads, decode_burst (None: the default), micro-batches (None: colocated; 0: auto),
+    #               rows through shared memory)
+    "colocated": (2, None, None, False), "colocated-single-steps": (2, 1, None, False),
+    "afd-m1": (1, None, 1, True), "afd-m2": (1, None, 2, True), "afd-m4": (1, None, 4, True),
+    "afd-auto": (1, None, 0, True), "afd-m1-frames": (1, None, 1, False), "afd-m2-frames": (1, None, 2, False)}
 
 
 def build_model(root: Path, seed: int) -> Path:
@@ -65,7 +69,8 @@ def run_job(job: dict) -> dict:
     from kvbaton import LLM, SamplingParams
     from kvbaton.config import AttentionFFNConfig
 
-    afd = AttentionFFNConfig(experts=tuple(job["experts"]), micro_batches=job["m"]) if job["experts"] else None
+    afd = AttentionFFNConfig(experts=tuple(job["experts"]), micro_batches=job["m"], shared_memory=job["shared"]) \
+        if job["experts"] else None
     extra = {"decode_burst": job["burst"]} if job["burst"] is not None else {}
     llm = LLM(job["model"], dtype="bfloat16", num_threads=job["threads"], max_model_len=512,
               kv_cache_memory_gb=0.5, attention_ffn=afd, max_num_seqs=max(64, job["batch"]), **extra)
@@ -106,7 +111,7 @@ def run_job(job: dict) -> dict:
 
 
 def launch_job(model: Path, setup: str, batch: int, args: argparse.Namespace, seed: int) -> dict:
-    threads, burst, m = SETUPS[setup]
+    threads, burst, m, shared = SETUPS[setup]
     env = {**thread_env(threads), "KVBATON_CLUSTER_SECRET": SECRET}
     expert, experts, expert_stats = None, [], None
     pids: list[int] = []
@@ -119,7 +124,8 @@ def launch_job(model: Path, setup: str, batch: int, args: argparse.Namespace, se
                                       | {"KVBATON_CLUSTER_SECRET": SECRET})
             pids.append(expert.pid)
             experts = [json.loads(expert.stdout.readline())["address"]]  # type: ignore[union-attr]
-        job = {"model": str(model), "threads": threads, "burst": burst, "m": m, "experts": experts, "batch": batch,
+        job = {"model": str(model), "threads": threads, "burst": burst, "m": m, "shared": shared,
+               "experts": experts, "batch": batch,
                "tokens": args.decode_tokens, "repeats": args.repeats, "seed": seed}
         proc = subprocess.run([sys.executable, __file__, "--run", json.dumps(job)], capture_output=True, text=True,
                               env=env, timeout=args.job_timeout_s)
@@ -148,7 +154,8 @@ def time_ms(fn, reps: int) -> float:
 def exchange_overhead(model: Path, batches: list[int], reps: int) -> list[dict]:
     """Per layer and batch (of one micro-batch): the expert computation alone (1 thread, in this process), the
     frame's codec (sign + encode, verify + decode: one side's share), and the whole round trip of `post` + `wait`
-    through an expert worker process on 127.0.0.1. Round trip minus computation is the exchange's overhead."""
+    through an expert worker process, the rows in signed frames over 127.0.0.1 and through shared memory. Round
+    trip minus computation is the exchange's overhead."""
     import torch
 
     from kvbaton.config import AttentionFFNConfig
@@ -168,21 +175,26 @@ def exchange_overhead(model: Path, batches: list[int], reps: int) -> list[dict]:
     rows_out = []
     try:
         address = json.loads(expert.stdout.readline())["address"]  # type: ignore[union-attr]
-        client = ExpertPoolClient(AttentionFFNConfig(experts=(address,)), SECRET.encode(), "bench", hidden,
-                                  torch.bfloat16, experts, list(range(SHAPE["num_hidden_layers"])))
+        clients = {shared: ExpertPoolClient(AttentionFFNConfig(experts=(address,), shared_memory=shared),
+                                            SECRET.encode(), "bench", hidden, torch.bfloat16, experts,
+                                            list(range(SHAPE["num_hidden_layers"])))
+                   for shared in (False, True)}
+        assert clients[True].shared_memory == [True], "the expert worker's shared memory is not visible here"
         gen = torch.Generator().manual_seed(0)
         for batch in batches:
             x = torch.randn(batch, hidden, generator=gen).to(torch.bfloat16)
             ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(batch)])
             weights = torch.full((batch, top_k), 1.0 / top_k)
-            rows_out.append(measure_exchange(shard, codec, client, x, ids, weights, reps) | {"batch": batch})
-        client.close()
+            rows_out.append(measure_exchange(shard, codec, clients, x, ids, weights, reps) | {"batch": batch})
+        for client in clients.values():
+            client.close()
+        expert.communicate("", timeout=30)  # closing its stdin stops it (its probe segment unlinked)
     finally:
-        stop_pids([expert.pid])
+        stop_pids([expert.pid] if expert.poll() is None else [])
     return rows_out
 
 
-def measure_exchange(shard, codec, client, x, ids, weights, reps: int) -> dict:
+def measure_exchange(shard, codec, clients, x, ids, weights, reps: int) -> dict:
     from kvbaton.parallel.afd.frames import DispatchRows
     from kvbaton.parallel.afd.server import bytes_of
 
@@ -193,7 +205,9 @@ def measure_exchange(shard, codec, client, x, ids, weights, reps: int) -> dict:
             "compute_ms": time_ms(lambda: shard.compute(0, rows, slots), reps),
             "encode_ms": time_ms(lambda: codec.encode(dispatch), reps),
             "decode_ms": time_ms(lambda: codec.decode(frame), reps),
-            "round_trip_ms": time_ms(lambda: client.wait(client.post(0, x, ids, weights)), reps)}
+            "round_trip_ms": time_ms(lambda: clients[False].wait(clients[False].post(0, x, ids, weights)), reps),
+            "shared_round_trip_ms": time_ms(lambda: clients[True].wait(clients[True].post(0, x, ids, weights)),
+                                            reps)}
 
 
 # ---- the summary ---------------------------------------------------------------------------------
@@ -251,7 +265,7 @@ def model_check(run: dict, rows: dict) -> list[str]:
            "| set-up | batch | measured ms | predicted ms | error | measured bubbles (att / exp) | predicted |",
            "|---|---|---|---|---|---|---|"]
     for (setup, batch), r in rows.items():
-        if not setup.startswith("afd-m") or not r.get("step_ms"):
+        if not setup.removeprefix("afd-m").isdigit() or not r.get("step_ms"):
             continue
         predicted = afd_step(costs, batch, int(setup.removeprefix("afd-m")))
         error = predicted.seconds * 1e3 / r["step_ms"] - 1
@@ -282,12 +296,16 @@ def render(run: dict, rows: dict) -> str:
                      f"{fmt(ratio(row['tok_s'], single.get('tok_s')), '.2f')} | "
                      f"{fmt(row.get('attention_bubble'), '.2f')} | {fmt(row.get('expert_bubble'), '.2f')} | "
                      f"{fmt(row['bytes_per_step'] / 1024 if row.get('bytes_per_step') else None, '.0f')} |")
-    lines += ["", "One MoE layer's exchange with an expert worker (1 thread each side, 127.0.0.1), per micro-batch:",
-              "", "| tokens | rows (x top-k) | frame KiB | expert compute ms | round trip ms | overhead ms | "
-              "sign+encode ms | verify+decode ms |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "One MoE layer's exchange with an expert worker (1 thread each side), per micro-batch: the rows in "
+              "signed frames over 127.0.0.1 (frames), or in a shared-memory slot named by a small signed frame (shm):",
+              "", "| tokens | rows (x top-k) | frame KiB | expert compute ms | round trip ms, frames | overhead ms, "
+              "frames | round trip ms, shm | overhead ms, shm | sign+encode ms | verify+decode ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for e in run["exchange"]:
+        shm = e.get("shared_round_trip_ms")
         lines.append(f"| {e['batch']} | {e['rows']} | {e['frame_bytes'] / 1024:.0f} | {e['compute_ms']:.2f} | "
-                     f"{e['round_trip_ms']:.2f} | {e['round_trip_ms'] - e['compute_ms']:.2f} | "
+                     f"{e['round_trip_ms']:.2f} | {e['round_trip_ms'] - e['compute_ms']:.2f} | {fmt(shm, '.2f')} | "
+                     f"{fmt(shm - e['compute_ms'] if shm is not None else None, '.2f')} | "
                      f"{e['encode_ms']:.3f} | {e['decode_ms']:.3f} |")
     return "\n".join(lines + model_check(run, rows) + reading(run, rows)) + "\n"
 
@@ -309,7 +327,7 @@ def reading(run: dict, rows: dict) -> list[str]:
                 f"{afd[best]['expert_bubble']:.2f})")
         e = exchange.get(batch // 2)
         if e:
-            tf, tc = e["compute_ms"], e["round_trip_ms"] - e["compute_ms"]
+            tf, tc = e["compute_ms"], e.get("shared_round_trip_ms", e["round_trip_ms"]) - e["compute_ms"]
             line += (f"; at m=2 a micro-batch of {batch // 2} tokens computes its experts in T_f = {tf:.2f} ms per "
                      f"layer and its exchange costs T_c = {tc:.2f} ms more, so T_c {'<' if tc < tf else '>='} T_f and "
                      f"the rule asks for m >= {2 * (1 + tc / tf):.1f}")
@@ -319,13 +337,18 @@ def reading(run: dict, rows: dict) -> list[str]:
         small, large = ex[0], ex[-1]
         small_tc, large_tc = (e["round_trip_ms"] - e["compute_ms"] for e in (small, large))
         mac = 2 * (large["encode_ms"] + large["decode_ms"])  # both frames of a round trip, signed and verified
-        out += ["", f"An exchange costs {small_tc:.2f} ms beyond its computation at {small['batch']} tokens: a fixed "
-                "cost per exchange (hand-offs through ZeroMQ's I/O threads, TCP on 127.0.0.1, the Python on both "
-                f"ends), which every extra micro-batch pays again in every MoE layer. It grows with the frame "
-                f"({large_tc:.2f} ms at {large['batch']} tokens, {large['frame_bytes'] / 1024:.0f} KiB each way), of "
-                f"which signing and verifying both frames is {mac:.2f} ms. A same-host shared-memory ring (no TCP, "
-                "owner-only segments in place of the MAC) and the exchange inside the C layer loop are the remaining "
-                "transport and step work of issue 30 that would bring T_c under T_f."]
+        out += ["", f"With the rows in signed frames, an exchange costs {small_tc:.2f} ms beyond its computation at "
+                f"{small['batch']} tokens (hand-offs through ZeroMQ's I/O threads, TCP on 127.0.0.1, the Python on "
+                f"both ends) and {large_tc:.2f} ms at {large['batch']} tokens ({large['frame_bytes'] / 1024:.0f} KiB "
+                f"each way), of which signing and verifying both frames is {mac:.2f} ms."]
+        if "shared_round_trip_ms" in large:
+            small_sc, large_sc = (e["shared_round_trip_ms"] - e["compute_ms"] for e in (small, large))
+            out[-1] += (f" Through shared memory (no row in a frame, nothing signed but a small frame naming the "
+                        f"slot) it costs {small_sc:.2f} ms at {small['batch']} tokens and {large_sc:.2f} ms at "
+                        f"{large['batch']}: what is left is the fixed cost of a round trip between two processes "
+                        "(ZeroMQ's threads, the wake-ups) and the Python of both ends, which every extra micro-batch "
+                        "pays again in every MoE layer. The exchange inside the C layer loop is the step work of "
+                        "issue 30 that would cut it further.")
     return out
 
 

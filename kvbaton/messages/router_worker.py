@@ -131,6 +131,7 @@ class ExchangeLoad(msgspec.Struct, frozen=True, kw_only=True):
     busy_s: float
     alive_s: float
     refused_frames: int
+    shared: int = 0  # exchanges whose rows came through same-host shared memory
 
     @property
     def idle_fraction(self) -> float:

@@ -152,7 +152,8 @@ class WorkerHandle:
         view: dict[str, Any] = {"rank": e.rank, "size": e.size, "owns": e.experts, "exchange": e.address}
         if x is not None:
             view.update(exchanges=x.exchanges, rows=x.rows, bytes_in=x.bytes_in, bytes_out=x.bytes_out,
-                        idle_fraction=x.idle_fraction, refused_frames=x.refused_frames)
+                        idle_fraction=x.idle_fraction, refused_frames=x.refused_frames,
+                        shared_exchanges=x.shared)
         return view
 
 

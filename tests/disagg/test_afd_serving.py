@@ -76,6 +76,8 @@ def test_served_afd_matches_transformers(moe_model, references, prefill, attenti
         if w["role"] == "expert":
             assert w["experts"]["refused_frames"] == 0 and 0.0 <= w["experts"]["idle_fraction"] <= 1.0
             assert w["experts"]["bytes_in"] > 0 and w["experts"]["bytes_out"] > 0
+            # one host: every exchange's rows went through shared memory
+            assert w["experts"]["shared_exchanges"] == w["experts"]["exchanges"] > 0
     # every MoE layer of every step's micro-batches exchanged with the pool: 3 MoE layers, at least MAX_NEW steps
     assert afd.exchanges >= 3 * MAX_NEW and afd.bytes_sent > 0 and afd.bytes_received > 0
     assert 0 < afd.attention_wait_s < afd.attention_step_s and 0 < afd.expert_busy_s < afd.expert_alive_s

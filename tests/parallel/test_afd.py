@@ -1,7 +1,8 @@
 """Attention/FFN disaggregation across processes: an attention engine whose MoE layers' routed experts live in a
 pool of expert worker processes gives the colocated engine's greedy fp32 output, for tiny Mixtral, Qwen3-MoE and
 DeepSeek-V3 (latent attention, shared experts, a dense first layer), over pools of one and two expert workers
-and two attention engines sharing one pool, with the decode steps split into 1 to 4 ping-pong micro-batches."""
+and two attention engines sharing one pool, with the decode steps split into 1 to 4 ping-pong micro-batches, the
+rows going through same-host shared memory or (Mixtral) inside the signed frames."""
 
 from __future__ import annotations
 
@@ -65,8 +66,10 @@ def colocated(afd_models):
                      for arch, model in afd_models.items()}
 
 
-def _attention(model: Path, experts: list[str], index: int = 0, micro_batches: int = 1) -> LLM:
-    afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=30)
+def _attention(model: Path, experts: list[str], index: int = 0, micro_batches: int = 1,
+               shared_memory: bool = True) -> LLM:
+    afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=30,
+                             shared_memory=shared_memory)
     return LLM(str(model), dtype="float32", num_threads=1, block_size=4, attention_ffn=afd)
 
 
@@ -78,11 +81,14 @@ def _with_micro_batches(llm: LLM, m: int) -> LLM:
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_afd_matches_colocated_for_every_micro_batch_count(arch, afd_models, colocated, monkeypatch):
     prompts, refs = colocated
+    shared = arch != "mixtral"  # mixtral's rows go in the signed frames (the cross-host path), the others' in shm
     with expert_pool(afd_models[arch], 2, monkeypatch) as experts:
-        llm = _attention(afd_models[arch], experts)
+        llm = _attention(afd_models[arch], experts, shared_memory=shared)
         for m in (1, 2, 3, 4):
             assert greedy(_with_micro_batches(llm, m), MAX_NEW, prompts) == refs[arch], f"m={m}"
-        assert llm.engine.core.expert_pool.stats.exchanges > 0
+        pool = llm.engine.core.expert_pool
+        assert pool.stats.exchanges > 0
+        assert pool.shared_memory == pool.local_channels == [shared, shared]
 
 
 def test_one_expert_worker_and_two_attention_engines_share_it(afd_models, colocated, monkeypatch):

@@ -1,10 +1,13 @@
 """An expert worker's exchange socket under hostile frames: a real `ExpertServer` (its thread, its ROUTER bound to
 127.0.0.1) over a tiny Qwen3-MoE shard, fed from raw DEALER sockets. Garbage, truncated, bit-flipped, forged,
 unknown, multi-part and oversized frames are refused without an answer (and counted); well-signed dispatches it
-cannot serve get `ExchangeFailed` naming why; after every batch a valid dispatch still gets its exact rows."""
+cannot serve get `ExchangeFailed` naming why; after every batch a valid dispatch still gets its exact rows.
+Shared-memory dispatches naming a segment the worker must not map (not an exchange slot, missing, readable by
+others, too small) fail the same way; an attention worker's abandoned slots are unlinked, never reused."""
 
 from __future__ import annotations
 
+import os
 import secrets
 
 import pytest
@@ -13,9 +16,14 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbaton.config import AttentionFFNConfig
+from kvbaton.kv.connectors.shm.segments import SHM_DIR, Segment
+from kvbaton.parallel.afd.client import ExpertPoolClient
 from kvbaton.parallel.afd.frames import (
     CombinedRows,
+    CombinedShared,
     DispatchRows,
+    DispatchShared,
     ExchangeFailed,
     FromExpert,
     PoolHello,
@@ -25,6 +33,7 @@ from kvbaton.parallel.afd.frames import (
 )
 from kvbaton.parallel.afd.server import ExpertServer, bytes_of, rows_of
 from kvbaton.parallel.afd.shard import ExpertShard, ShardSpec
+from kvbaton.parallel.afd.shared_rows import PREFIX, SlotLayout, SlotPool, probe_matches, views
 from kvbaton.wire import SignedCodec
 
 SECRET = secrets.token_hex(32).encode()
@@ -159,3 +168,95 @@ def test_random_frames_never_get_an_answer(dealer, server, frame):
 def test_the_server_serves_after_the_fuzzing(dealer, server):
     assert server.serving
     assert_still_serves(dealer, server, ticket=123)
+
+
+def shared_dispatch(server: ExpertServer, slots: SlotPool, n: int = 5, ticket: int = 1):
+    """A valid shared-memory dispatch of n rows, its slot and the rows its experts must answer."""
+    msg, expected = dispatch(server, n, ticket, seed=ticket)
+    slot = slots.take(n)
+    rows, ids, _ = views(slot.segment, slot.layout, n, torch.float32, server.shard.hidden)
+    rows.copy_(rows_of(msg.rows, torch.float32, server.shard.hidden))
+    ids.copy_(rows_of(msg.slots, torch.int32, 1).flatten())
+    return DispatchShared(ticket, msg.layer, slot.name, slot.layout.capacity, n), slot, expected
+
+
+def test_a_shared_memory_dispatch_is_answered_in_its_slot(dealer, server):
+    request, _ = codecs(server)
+    dealer.send(request.encode(PoolHello("a", server.shard.hidden, "float32", server.shard.num_experts)))
+    welcome = reply(dealer, server)
+    assert probe_matches(welcome.probe, welcome.probe_token)  # the same host and user: shm is shared
+    assert not probe_matches(welcome.probe, secrets.token_bytes(16))
+    slots = SlotPool(server.shard.hidden * 4)
+    msg, slot, expected = shared_dispatch(server, slots, ticket=5)
+    dealer.send(request.encode(msg))
+    got = reply(dealer, server)
+    assert isinstance(got, CombinedShared) and got.ticket == 5
+    assert torch.equal(views(slot.segment, slot.layout, 5, torch.float32, server.shard.hidden)[2], expected)
+    slot.retire()
+
+
+@pytest.mark.parametrize("damage", ["not a slot", "missing", "readable by others", "too small", "rows > capacity",
+                                    "capacity > max rows", "slot id", "traversal"])
+def test_shared_dispatches_it_must_not_map_fail_that_exchange_only(dealer, server, damage):
+    request, _ = codecs(server)
+    slots = SlotPool(server.shard.hidden * 4)
+    msg, slot, _ = shared_dispatch(server, slots, ticket=8)
+    made: list[Segment] = []
+
+    def segment(name: str, size: int, mode: int = 0o600) -> str:
+        made.append(Segment.create(name, size))
+        os.chmod(os.path.join(SHM_DIR, name), mode)
+        return name
+
+    layout = SlotLayout(msg.capacity, server.shard.hidden * 4)
+    base = f"{PREFIX}rows-test-{os.getpid()}-{damage.replace(' ', '-')}"
+    bad = {"not a slot": lambda: segment(f"kvb-test-{os.getpid()}", layout.size),
+           "missing": lambda: f"{PREFIX}rows-nobody-{secrets.token_hex(4)}",
+           "readable by others": lambda: segment(base, layout.size, 0o644),
+           "too small": lambda: segment(base, layout.size - 1),
+           "traversal": lambda: f"{PREFIX}rows-../../{SHM_DIR}/{slot.name}"}
+    if damage in bad:
+        msg = DispatchShared(8, msg.layer, bad[damage](), msg.capacity, msg.rows)
+    elif damage == "rows > capacity":
+        msg = DispatchShared(8, msg.layer, msg.segment, msg.capacity, msg.capacity + 1)
+    elif damage == "capacity > max rows":
+        msg = DispatchShared(8, msg.layer, msg.segment, MAX_ROWS + 64, msg.rows)
+    else:
+        views(slot.segment, slot.layout, msg.rows, torch.float32, server.shard.hidden)[1][0] = 999
+    try:
+        dealer.send(request.encode(msg))
+        got = reply(dealer, server)
+        assert isinstance(got, ExchangeFailed) and got.ticket == 8 and got.message
+        assert_still_serves(dealer, server)
+    finally:
+        slot.retire()
+        for made_segment in made:
+            made_segment.unlink()
+
+
+def test_abandoned_slots_are_unlinked_and_the_pool_serves_on(tiny_moe_models):
+    shard = ExpertShard(ShardSpec(tiny_moe_models["qwen3_moe"], rank=0, size=1))
+    server = ExpertServer(shard, SECRET, max_rows=MAX_ROWS)
+    server.start()
+    config = AttentionFFNConfig(experts=(server.address,), timeout_s=10)
+    client = ExpertPoolClient(config, SECRET, "test", shard.hidden, torch.float32, shard.num_experts,
+                              sorted(shard.layers))
+    try:
+        assert client.shared_memory == client.local_channels == [True]
+        gen = torch.Generator().manual_seed(3)
+        x = torch.randn(4, shard.hidden, generator=gen)
+        ids = torch.randint(0, shard.num_experts, (4, 2), generator=gen)
+        weights = torch.rand(4, 2, generator=gen)
+        layer = min(shard.layers)
+        first = client.wait(client.post(layer, x, ids, weights))
+        client.post(layer, x, ids, weights)  # its step fails before the wait
+        in_flight = [slot.name for slot in client._in_slot.values()]
+        assert in_flight
+        client.abandon()
+        assert not any(os.path.exists(os.path.join(SHM_DIR, name)) for name in in_flight)
+        assert torch.equal(client.wait(client.post(layer, x, ids, weights)), first)
+        assert server.stats.shared == server.stats.exchanges == 3
+    finally:
+        client.close()
+        server.close()
+    assert not [name for name in os.listdir(SHM_DIR) if name.startswith(f"{PREFIX}rows-{os.getpid()}-")]

@@ -9,11 +9,18 @@ the colocated engine's). Between the two, a micro-batched step computes its next
 An expert worker that does not answer within the timeout, answers `ExchangeFailed`, or whose connection drops
 while an exchange waits on it (it died: ZeroMQ's monitor says so at once), fails the step (`ExpertPoolError`);
 every exchange in flight is then abandoned and its late replies dropped. What is posted afterwards queues on the
-socket until the worker's replacement (same address) connects."""
+socket until the worker's replacement (same address) connects.
+
+An expert worker whose welcome proves it shares this host's /dev/shm gets its rows through owner-only
+shared-memory slots (`shared_rows.py`) unless the config turns that off: only small frames naming the slot cross,
+over a Unix socket of this user's (`local_channel.py`), and no byte of rows is copied into a frame or signed.
+Where that socket is down (its expert worker died and the replacement is not up yet) they go signed over the
+ZeroMQ socket, which queues them until the replacement connects; the Unix socket is tried again now and then."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from dataclasses import dataclass
 
@@ -25,7 +32,9 @@ from kvbaton.config import AttentionFFNConfig, ConfigError
 from kvbaton.layers.moe.dispatch import ExpertMap, choose_slots, combine
 from kvbaton.parallel.afd.frames import (
     CombinedRows,
+    CombinedShared,
     DispatchRows,
+    DispatchShared,
     ExchangeFailed,
     FromExpert,
     PoolHello,
@@ -33,10 +42,15 @@ from kvbaton.parallel.afd.frames import (
     ToExpert,
     max_frame_bytes,
 )
+from kvbaton.parallel.afd.local_channel import MAX_LOCAL_FRAME_BYTES, connect_local
 from kvbaton.parallel.afd.server import DEFAULT_MAX_ROWS, bytes_of, rows_of
-from kvbaton.wire import ChannelError, SignedCodec
+from kvbaton.parallel.afd.shared_rows import Slot, SlotPool, probe_matches, views
+from kvbaton.wire import ChannelError, Codec, SignedCodec
 
 logger = logging.getLogger(__name__)
+
+
+LOCAL_RETRY_S = 0.05  # how often a post tries to reach a same-host expert worker's Unix socket again
 
 
 class ExpertPoolError(RuntimeError):
@@ -70,6 +84,7 @@ class ExpertPoolClient:
         self.config = config
         self.hidden, self.dtype, self.num_experts = hidden, dtype, num_experts
         self.dtype_name = str(dtype).removeprefix("torch.")
+        self._row_bytes = hidden * dtype.itemsize
         limit = max_frame_bytes(max_rows, hidden, self.dtype_name)
         self._codec = SignedCodec(secret, FromExpert, limit)
         self._requests = SignedCodec(secret, ToExpert, limit)
@@ -77,26 +92,49 @@ class ExpertPoolClient:
         self._sockets: list[zmq.Socket] = []
         self._monitors: list[zmq.Socket] = []  # each socket's disconnections
         for address in config.experts:
-            socket = self._ctx.socket(zmq.DEALER)
-            socket.setsockopt(zmq.MAXMSGSIZE, limit)
-            socket.setsockopt(zmq.LINGER, 0)
-            self._sockets.append(socket)
-            self._monitors.append(socket.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-            socket.connect(address)
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.MAXMSGSIZE, limit)
+            dealer.setsockopt(zmq.LINGER, 0)
+            self._sockets.append(dealer)
+            self._monitors.append(dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            dealer.connect(address)
         self._next_ticket = 1
         self._in_flight: set[int] = set()
         self._awaiting: list[set[int]] = [set() for _ in config.experts]  # per worker: tickets it has not answered
         self._lost: set[int] = set()  # tickets a dropped connection took with it
         self._early: dict[tuple[int, int], FromExpert] = {}  # (worker, ticket) answered before it was waited for
+        self._shared: list[SlotPool | None] = []  # per worker: its shared-memory slots (None: rows in frames)
+        self._in_slot: dict[tuple[int, int], Slot] = {}  # (worker, ticket): the slot an exchange's rows are in
+        self._local: list[socket.socket | None] = [None for _ in config.experts]  # same-host control sockets
+        self._local_names: list[str] = ["" for _ in config.experts]
+        self._local_retry = [0.0 for _ in config.experts]  # when to try a down one again
+        self._local_requests = Codec(ToExpert, MAX_LOCAL_FRAME_BYTES)
+        self._local_replies = Codec(FromExpert, MAX_LOCAL_FRAME_BYTES)
         self.stats = ClientStats()
         try:
             welcomes = [self._handshake(w, PoolHello(name, hidden, self.dtype_name, num_experts))
                         for w in range(len(self._sockets))]
             self.map = self._placement(welcomes, moe_layers)
+            self._shared = [SlotPool(self._row_bytes) if config.shared_memory and probe_matches(w.probe, w.probe_token)
+                            else None for w in welcomes]
+            for worker, w in enumerate(welcomes):
+                if self._shared[worker] is not None and w.local:
+                    self._local_names[worker] = w.local
+                    self._local[worker] = connect_local(w.local, config.timeout_s)
         except BaseException:
             self.close()
             raise
         self.slot_table, self.copies = self.map.lookup(num_experts)
+
+    @property
+    def shared_memory(self) -> list[bool]:
+        """Per expert worker: whether its rows go through shared memory."""
+        return [pool is not None for pool in self._shared]
+
+    @property
+    def local_channels(self) -> list[bool]:
+        """Per expert worker: whether its frames go over a same-host Unix socket now."""
+        return [sock is not None for sock in self._local]
 
     def _handshake(self, worker: int, hello: PoolHello) -> PoolWelcome:
         self._sockets[worker].send(self._requests.encode(hello), copy=False)
@@ -133,17 +171,78 @@ class ExpertPoolClient:
         for worker, n in enumerate(counts):
             if not n:
                 continue
-            frame = self._requests.encode(DispatchRows(ticket, layer, bytes_of(rows[start:start + n]),
-                                                       bytes_of(local[start:start + n])))
-            self._note_disconnects(worker)  # before the send: a drop seen later can only have taken this frame
-            self._sockets[worker].send(frame, copy=False)
+            msg = self._dispatch(worker, ticket, layer, rows[start:start + n], local[start:start + n])
+            self.stats.bytes_sent += self._send(worker, msg)
             self._awaiting[worker].add(ticket)
-            self.stats.bytes_sent += len(frame)
             parts.append((worker, n))
             start += n
         self._in_flight.add(ticket)
         self.stats.exchanges += 1
         return Pending(ticket, parts, order, x, ids, weights)
+
+    def _send(self, worker: int, msg: DispatchRows | DispatchShared) -> int:
+        """Send a dispatch to `worker` (over its Unix socket where it has one up); the frame's bytes."""
+        sock = self._local_socket(worker) if isinstance(msg, DispatchShared) else None
+        if sock is not None:
+            frame = self._local_requests.encode(msg)
+            try:
+                sock.send(frame)
+                return len(frame)
+            except OSError:  # it died: what it had not answered is lost; this one goes over ZeroMQ
+                self._local_down(worker)
+        frame = self._requests.encode(msg)
+        self._note_disconnects(worker)  # before the send: a drop seen later can only have taken this frame
+        self._sockets[worker].send(frame, copy=False)
+        return len(frame)
+
+    def _local_socket(self, worker: int) -> socket.socket | None:
+        """`worker`'s same-host socket, reconnected (at most every LOCAL_RETRY_S) where it went down."""
+        sock = self._local[worker]
+        if sock is None and self._local_names[worker] and time.monotonic() >= self._local_retry[worker]:
+            sock = self._local[worker] = connect_local(self._local_names[worker], self.config.timeout_s)
+            self._local_retry[worker] = time.monotonic() + LOCAL_RETRY_S
+        return sock
+
+    def _local_down(self, worker: int) -> None:
+        """`worker`'s same-host socket closed: the process died, taking every exchange it had not answered."""
+        sock = self._local[worker]
+        if sock is not None:
+            sock.close()
+            self._local[worker] = None
+            self._local_retry[worker] = time.monotonic() + LOCAL_RETRY_S
+        self._lost |= self._awaiting[worker]
+        self._awaiting[worker].clear()
+
+    def _dispatch(self, worker: int, ticket: int, layer: int, rows: torch.Tensor, local: torch.Tensor
+                  ) -> DispatchRows | DispatchShared:
+        """The dispatch of `rows` (and their slot ids `local`) to `worker`: the rows themselves, or, through
+        shared memory, the slot they were copied into."""
+        slots = self._shared[worker]
+        if slots is None:
+            return DispatchRows(ticket, layer, bytes_of(rows), bytes_of(local))
+        n = rows.shape[0]
+        slot = slots.take(n)
+        shared_rows, shared_ids, _ = views(slot.segment, slot.layout, n, self.dtype, self.hidden)
+        shared_rows.copy_(rows)
+        shared_ids.copy_(local)
+        self._in_slot[(worker, ticket)] = slot
+        self.stats.bytes_sent += n * (self._row_bytes + 4)
+        return DispatchShared(ticket, layer, slot.name, slot.layout.capacity, n)
+
+    def _outputs(self, worker: int, ticket: int, reply: CombinedRows | CombinedShared, n: int) -> torch.Tensor:
+        """A reply's output rows [n, hidden] (over the frame or the slot: read them before the slot goes back)."""
+        if isinstance(reply, CombinedShared):
+            slot = self._in_slot.get((worker, ticket))
+            if slot is None:
+                raise ExpertPoolError(f"expert worker {self.config.experts[worker]} answered through shared "
+                                      "memory an exchange that was not sent so")
+            self.stats.bytes_received += n * self._row_bytes
+            return views(slot.segment, slot.layout, n, self.dtype, self.hidden)[2]
+        out = rows_of(reply.rows, self.dtype, self.hidden)
+        if out.shape[0] != n:
+            raise ExpertPoolError(f"expert worker {self.config.experts[worker]} answered {out.shape[0]} "
+                                  f"rows for {n}")
+        return out
 
     def wait(self, pending: Pending) -> torch.Tensor:
         """The combined expert outputs [T, H] of a posted exchange."""
@@ -154,22 +253,23 @@ class ExpertPoolClient:
                 reply = self._receive(worker, pending.ticket)
                 if isinstance(reply, ExchangeFailed):
                     raise ExpertPoolError(f"expert worker {self.config.experts[worker]}: {reply.message}")
-                assert isinstance(reply, CombinedRows)
-                out = rows_of(reply.rows, self.dtype, self.hidden)
-                if out.shape[0] != n:
-                    raise ExpertPoolError(f"expert worker {self.config.experts[worker]} answered {out.shape[0]} "
-                                          f"rows for {n}")
-                outs.append(out)
+                assert isinstance(reply, CombinedRows | CombinedShared)
+                outs.append(self._outputs(worker, pending.ticket, reply, n))
+            x = pending.x
+            sorted_rows = torch.cat(outs) if outs else x.new_empty(0, self.hidden)
+            rows = torch.empty(sorted_rows.shape, dtype=x.dtype)
+            rows[pending.order] = sorted_rows.to(x.dtype)  # back in assignment order (a copy: slots can go back)
         except BaseException:
             self.abandon()
             raise
         finally:
             self.stats.wait_s += time.perf_counter() - began
         self._in_flight.discard(pending.ticket)
-        x = pending.x
-        sorted_rows = torch.cat(outs) if outs else x.new_empty(0, self.hidden)
-        rows = torch.empty(sorted_rows.shape, dtype=x.dtype)
-        rows[pending.order] = sorted_rows.to(x.dtype)  # back in assignment order
+        for worker, _ in pending.parts:
+            slot = self._in_slot.pop((worker, pending.ticket), None)
+            pool = self._shared[worker]
+            if slot is not None and pool is not None:
+                pool.give_back(slot)
         return combine(x, rows, pending.ids, pending.weights)
 
     def abandon(self) -> None:
@@ -179,6 +279,9 @@ class ExpertPoolClient:
         self._lost.clear()
         for tickets in self._awaiting:
             tickets.clear()
+        for slot in self._in_slot.values():  # never reused: a late expert worker may still write them
+            slot.retire()
+        self._in_slot.clear()
 
     def _note_disconnects(self, worker: int) -> None:
         """A dropped connection to `worker` (it died) loses the exchanges it had not answered."""
@@ -193,29 +296,31 @@ class ExpertPoolClient:
         if ticket is not None and (worker, ticket) in self._early:
             self._awaiting[worker].discard(ticket)
             return self._early.pop((worker, ticket))
-        socket, deadline = self._sockets[worker], time.monotonic() + self.config.timeout_s
-        poller = zmq.Poller()
-        poller.register(socket, zmq.POLLIN)
-        poller.register(self._monitors[worker], zmq.POLLIN)
+        zsocket, deadline = self._sockets[worker], time.monotonic() + self.config.timeout_s
         while True:
             if ticket in self._lost:
                 raise ExpertPoolError(f"expert worker {self.config.experts[worker]} dropped its connection with an "
                                       "exchange in flight (it died)")
+            poller = zmq.Poller()
+            poller.register(zsocket, zmq.POLLIN)
+            poller.register(self._monitors[worker], zmq.POLLIN)
+            local = self._local[worker]
+            if local is not None:
+                poller.register(local, zmq.POLLIN)
             left_ms = int((deadline - time.monotonic()) * 1000)
             ready = dict(poller.poll(left_ms)) if left_ms > 0 else {}
             if self._monitors[worker] in ready:
                 self._note_disconnects(worker)
-            if socket not in ready:
-                if ready:
-                    continue  # a disconnection: the loop's first check says whether it took this exchange
+            if local is not None and local.fileno() in ready:  # a plain socket comes back as its fd
+                reply = self._read_local(worker, local)
+            elif zsocket in ready:
+                reply = self._read(worker, zsocket.recv(copy=True))
+            elif ready:
+                continue  # a disconnection: the loop's first check says whether it took this exchange
+            else:
                 raise ExpertPoolError(f"expert worker {self.config.experts[worker]} did not answer within "
                                       f"{self.config.timeout_s:g} s")
-            frame = socket.recv(copy=True)
-            self.stats.bytes_received += len(frame)
-            try:
-                reply = self._codec.decode(frame)
-            except ChannelError as exc:
-                logger.warning("expert pool: refused a frame from %s: %s", self.config.experts[worker], exc)
+            if reply is None:
                 continue
             if isinstance(reply, PoolWelcome):
                 if ticket is None:
@@ -228,16 +333,49 @@ class ExpertPoolClient:
                 self._early[(worker, reply.ticket)] = reply
             # else: a reply to an abandoned exchange, dropped
 
+    def _read(self, worker: int, frame: bytes) -> FromExpert | None:
+        """A frame from `worker`'s ZeroMQ socket, verified and decoded (None: refused)."""
+        self.stats.bytes_received += len(frame)
+        try:
+            return self._codec.decode(frame)
+        except ChannelError as exc:
+            logger.warning("expert pool: refused a frame from %s: %s", self.config.experts[worker], exc)
+            return None
+
+    def _read_local(self, worker: int, sock: socket.socket) -> FromExpert | None:
+        """A frame from `worker`'s same-host socket (None: refused, or the socket closed: `_local_down`)."""
+        try:
+            frame = sock.recv(MAX_LOCAL_FRAME_BYTES + 1)
+        except OSError:
+            frame = b""
+        if not frame:
+            self._local_down(worker)
+            return None
+        self.stats.bytes_received += len(frame)
+        try:
+            reply = self._local_replies.decode(frame)
+        except ChannelError as exc:
+            logger.warning("expert pool: refused a same-host frame from %s: %s", self.config.experts[worker], exc)
+            return None
+        return None if isinstance(reply, PoolWelcome) else reply
+
     def dispatcher(self, layer: int) -> RemoteExperts:
         return RemoteExperts(self, layer)
 
     def close(self) -> None:
-        for socket, monitor in zip(self._sockets, self._monitors, strict=False):
-            socket.disable_monitor()
+        self.abandon()
+        for pool in self._shared:
+            if pool is not None:
+                pool.close()
+        for sock in self._local:
+            if sock is not None:
+                sock.close()
+        for dealer, monitor in zip(self._sockets, self._monitors, strict=False):
+            dealer.disable_monitor()
             monitor.close(linger=0)
-            socket.close(linger=0)
-        for socket in self._sockets[len(self._monitors):]:
-            socket.close(linger=0)
+            dealer.close(linger=0)
+        for dealer in self._sockets[len(self._monitors):]:
+            dealer.close(linger=0)
         self._ctx.term()
 
 

@@ -4,9 +4,12 @@ pickled. Row payloads are raw little-endian bytes of the model's dtype; slot ids
 
     attention ──PoolHello──▶ expert           expert ──PoolWelcome──▶ attention   (once per connection)
     attention ──DispatchRows──▶ expert        expert ──CombinedRows | ExchangeFailed──▶ attention
+    attention ──DispatchShared──▶ expert      expert ──CombinedShared | ExchangeFailed──▶ attention  (same host)
 
 A ticket numbers an attention worker's exchanges (one per layer and micro-batch); the reply carries it back,
-so the attention side takes each micro-batch's outputs in whatever order they arrive."""
+so the attention side takes each micro-batch's outputs in whatever order they arrive. The `Shared` pair carries
+no rows: they are in an owner-only shared-memory slot the frame names (`shared_rows.py`), used where the expert
+worker's welcome proved the two share /dev/shm."""
 
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ class PoolWelcome(msgspec.Struct, tag="welcome", frozen=True):
     hidden: int
     dtype: str
     num_experts: int
+    probe: str = ""  # its shared-memory probe segment ("": none), holding `probe_token`
+    probe_token: bytes = b""
+    local: str = ""  # its same-host socket (`local_channel.py`; "": none): where DispatchShared frames go
 
 
 class DispatchRows(msgspec.Struct, tag="dispatch", frozen=True):
@@ -37,6 +43,18 @@ class DispatchRows(msgspec.Struct, tag="dispatch", frozen=True):
     layer: int
     rows: bytes  # [n, hidden] in the pool's dtype
     slots: bytes  # [n] int32: each row's slot among the worker's own
+
+
+class DispatchShared(msgspec.Struct, tag="dispatch_shm", frozen=True):
+    ticket: int
+    layer: int
+    segment: str  # the sender's slot (`shared_rows.SlotLayout`): rows at 0, slot ids, then room for the outputs
+    capacity: int  # rows the slot is laid out for
+    rows: int  # rows of this dispatch (<= capacity)
+
+
+class CombinedShared(msgspec.Struct, tag="combined_shm", frozen=True):
+    ticket: int  # the outputs are in the dispatch's slot
 
 
 class CombinedRows(msgspec.Struct, tag="combined", frozen=True):
@@ -49,8 +67,8 @@ class ExchangeFailed(msgspec.Struct, tag="failed", frozen=True):
     message: str
 
 
-ToExpert = PoolHello | DispatchRows
-FromExpert = PoolWelcome | CombinedRows | ExchangeFailed
+ToExpert = PoolHello | DispatchRows | DispatchShared
+FromExpert = PoolWelcome | CombinedRows | CombinedShared | ExchangeFailed
 
 
 def max_frame_bytes(max_rows: int, hidden: int, dtype: str) -> int:

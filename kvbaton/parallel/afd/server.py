@@ -6,11 +6,17 @@ One thread computes the exchanges in arrival order, so an attention worker's rep
 sent (its micro-batches' outputs queue behind each other as the ping-pong expects). A frame that is unsigned,
 forged, oversized or not a known message is dropped and logged: its sender learns nothing, not even a refusal.
 A well-signed frame asking for something this worker does not hold (a layer without experts, a slot past its
-own, a payload of the wrong length) gets `ExchangeFailed`, which fails that exchange's step on the sender only."""
+own, a payload of the wrong length, a shared-memory slot it may not map or that is too small) gets
+`ExchangeFailed`, which fails that exchange's step on the sender only.
+
+Same-host attention workers send `DispatchShared` instead: the rows are in their owner-only slot, and the
+outputs go back into it (`shared_rows.py`); the probe segment named in the welcome lets them find out. They send
+it over a Unix socket of this user's (`local_channel.py`), which the same thread serves beside the ROUTER."""
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import warnings
@@ -22,7 +28,9 @@ import zmq
 from kvbaton.parallel.afd.frames import (
     WIRE_DTYPES,
     CombinedRows,
+    CombinedShared,
     DispatchRows,
+    DispatchShared,
     ExchangeFailed,
     FromExpert,
     PoolHello,
@@ -30,7 +38,9 @@ from kvbaton.parallel.afd.frames import (
     ToExpert,
     max_frame_bytes,
 )
+from kvbaton.parallel.afd.local_channel import LocalListener, local_name
 from kvbaton.parallel.afd.shard import ExpertShard
+from kvbaton.parallel.afd.shared_rows import AttachedSegments, Probe, SlotLayout, shared_memory_usable, views
 from kvbaton.wire import ChannelError, SignedCodec
 
 logger = logging.getLogger(__name__)
@@ -51,6 +61,7 @@ class ServerStats:
     bytes_in: int = 0
     bytes_out: int = 0
     refused_frames: int = 0
+    shared: int = 0  # exchanges whose rows came through shared memory
 
 
 def rows_of(payload: bytes, dtype: torch.dtype, width: int) -> torch.Tensor:
@@ -68,9 +79,12 @@ def bytes_of(rows: torch.Tensor) -> bytes:
 
 class ExpertServer:
     def __init__(self, shard: ExpertShard, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 max_rows: int = DEFAULT_MAX_ROWS) -> None:
+                 max_rows: int = DEFAULT_MAX_ROWS, shared_memory: bool = True) -> None:
         self.shard = shard
         self.max_rows = max_rows
+        self._row_bytes = shard.hidden * WIRE_DTYPES[shard.dtype_name]
+        self._probe = Probe() if shared_memory and shared_memory_usable() else None
+        self._attached = AttachedSegments()
         limit = max_frame_bytes(max_rows, shard.hidden, shard.dtype_name)
         self._codec = SignedCodec(secret, ToExpert, limit)
         self._replies = SignedCodec(secret, FromExpert, limit)
@@ -83,6 +97,7 @@ class ExpertServer:
         else:
             port = self._socket.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
+        self._local = self._listen_locally() if self._probe is not None else None
         self.stats = ServerStats()
         self.started = time.monotonic()
         self._stop = threading.Event()
@@ -96,13 +111,67 @@ class ExpertServer:
         """Its thread is up (False once it stopped, or died on an error)."""
         return self._thread.is_alive()
 
+    def _listen_locally(self) -> LocalListener | None:
+        try:
+            return LocalListener(local_name(self.address), ToExpert, FromExpert)
+        except OSError as exc:  # the name is held (a predecessor not yet gone): same-host frames go over TCP
+            logger.warning("expert exchange: no same-host socket (%s); frames go over %s", exc, self.address)
+            return None
+
     def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        local = self._local
+        if local is not None:
+            poller.register(local.listener, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if self._socket.poll(POLL_MS):
-                    self._serve_one(self._socket.recv_multipart(copy=True))
+                for item, _ in poller.poll(POLL_MS):  # a plain socket comes back as its fd
+                    if item is self._socket:
+                        self._serve_one(self._socket.recv_multipart(copy=True))
+                    elif local is not None and item == local.listener.fileno():
+                        conn = local.accept()
+                        if conn is not None:
+                            poller.register(conn, zmq.POLLIN)
+                    elif local is not None and item in local.connections:
+                        self._serve_local(local, local.connections[item], poller)
         finally:
             self._socket.close(linger=0)
+            if local is not None:
+                local.close()
+
+    def _serve_local(self, local: LocalListener, conn: socket.socket, poller: zmq.Poller) -> None:
+        """One frame from a same-host attention worker: a shared-memory dispatch, answered on its socket. A
+        closed connection, or one that does not read its answers, is dropped."""
+        try:
+            frame = conn.recv(local.requests.max_frame_bytes + 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            frame = b""
+        if not frame:
+            poller.unregister(conn)
+            local.drop(conn)
+            return
+        began = time.perf_counter()
+        try:
+            msg = local.requests.decode(frame)
+        except ChannelError as exc:
+            msg, reason = None, str(exc)
+        else:
+            reason = "only shared-memory dispatches go over the same-host socket"
+        if not isinstance(msg, DispatchShared):
+            self.stats.refused_frames += 1
+            logger.warning("expert exchange: refused a same-host frame (%d bytes): %s", len(frame), reason)
+            return
+        reply = self._answer(msg)
+        out = local.replies.encode(reply)
+        try:
+            conn.send(out)
+        except OSError:  # its buffer is full (it does not read) or it is gone
+            poller.unregister(conn)
+            local.drop(conn)
+        self._account(msg, reply, len(frame), len(out), began)
 
     def _serve_one(self, parts: list[bytes]) -> None:
         if len(parts) != 2:  # [peer identity, frame]: anything else is not a DEALER of ours
@@ -119,18 +188,35 @@ class ExpertServer:
         reply = self._answer(msg)
         out = self._replies.encode(reply)
         self._socket.send_multipart([identity, out], copy=False)
+        self._account(msg, reply, len(frame), len(out), began)
+
+    def _account(self, msg: ToExpert, reply: FromExpert, frame_bytes: int, reply_bytes: int, began: float) -> None:
         self.stats.busy_s += time.perf_counter() - began
-        self.stats.bytes_in += len(frame)
-        self.stats.bytes_out += len(out)
+        self.stats.bytes_in += frame_bytes
+        self.stats.bytes_out += reply_bytes
+        if isinstance(reply, CombinedShared):
+            assert isinstance(msg, DispatchShared)
+            self.stats.shared += 1
+            self.stats.bytes_in += msg.rows * (self._row_bytes + 4)
+            self.stats.bytes_out += msg.rows * self._row_bytes
 
     def _answer(self, msg: ToExpert) -> FromExpert:
         shard = self.shard
         if isinstance(msg, PoolHello):
             logger.info("expert exchange: attention worker %s connected", msg.attention)
+            probe = self._probe
             return PoolWelcome(rank=shard.spec.rank, size=shard.spec.size, slots=list(shard.slots),
                                layers=sorted(shard.layers), hidden=shard.hidden, dtype=shard.dtype_name,
-                               num_experts=shard.num_experts)
+                               num_experts=shard.num_experts, probe=probe.segment.name if probe else "",
+                               probe_token=probe.token if probe else b"",
+                               local=self._local.name if self._local is not None else "")
         try:
+            if isinstance(msg, DispatchShared):
+                rows, ids, outputs = self._check_shared(msg)
+                outputs.copy_(shard.compute(msg.layer, rows, ids.to(torch.int64)))
+                self.stats.exchanges += 1
+                self.stats.rows += msg.rows
+                return CombinedShared(msg.ticket)
             rows, slots = self._check(msg)
             out = shard.compute(msg.layer, rows, slots)
         except BadExchange as exc:
@@ -142,19 +228,44 @@ class ExpertServer:
         self.stats.rows += rows.shape[0]
         return CombinedRows(msg.ticket, bytes_of(out))
 
+    def _check_layer(self, layer: int) -> None:
+        if layer not in self.shard.layers:
+            raise BadExchange(f"expert worker {self.shard.spec.rank} holds no experts of layer {layer}")
+
+    def _check_slot_ids(self, slots: torch.Tensor) -> None:
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= len(self.shard.slots)):
+            raise BadExchange(f"slot ids must be in [0, {len(self.shard.slots)})")
+
     def _check(self, msg: DispatchRows) -> tuple[torch.Tensor, torch.Tensor]:
-        shard = self.shard
-        if msg.layer not in shard.layers:
-            raise BadExchange(f"expert worker {shard.spec.rank} holds no experts of layer {msg.layer}")
-        row_bytes = shard.hidden * WIRE_DTYPES[shard.dtype_name]
+        self._check_layer(msg.layer)
+        row_bytes = self._row_bytes
         n = len(msg.slots) // 4
         if len(msg.slots) % 4 or len(msg.rows) != n * row_bytes or n > self.max_rows:
             raise BadExchange(f"a dispatch of {len(msg.rows)} row bytes and {len(msg.slots)} slot bytes is not "
                               f"n rows of {row_bytes} bytes and their n int32 slots (n <= {self.max_rows})")
         slots = rows_of(msg.slots, torch.int32, 1).flatten().to(torch.int64)
-        if n and (int(slots.min()) < 0 or int(slots.max()) >= len(shard.slots)):
-            raise BadExchange(f"slot ids must be in [0, {len(shard.slots)})")
-        return rows_of(msg.rows, shard.spec.dtype, shard.hidden), slots
+        self._check_slot_ids(slots)
+        return rows_of(msg.rows, self.shard.spec.dtype, self.shard.hidden), slots
+
+    def _check_shared(self, msg: DispatchShared) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows, slot ids and output room of a shared-memory dispatch, once its slot checks out."""
+        self._check_layer(msg.layer)
+        if self._probe is None:
+            raise BadExchange("this expert worker takes no shared-memory exchanges")
+        if not 0 <= msg.rows <= msg.capacity <= self.max_rows:
+            raise BadExchange(f"a shared dispatch of {msg.rows} rows in a slot of {msg.capacity} is not "
+                              f"0 <= rows <= capacity <= {self.max_rows}")
+        layout = SlotLayout(msg.capacity, self._row_bytes)
+        try:
+            segment = self._attached.get(msg.segment)
+        except (OSError, ValueError) as exc:
+            raise BadExchange(f"cannot map shared slot {msg.segment[:80]!r}: {exc}") from exc
+        if segment.size < layout.size:
+            raise BadExchange(f"shared slot {msg.segment!r} holds {segment.size} bytes, a slot of {msg.capacity} "
+                              f"rows needs {layout.size}")
+        rows, ids, outputs = views(segment, layout, msg.rows, self.shard.spec.dtype, self.shard.hidden)
+        self._check_slot_ids(ids)
+        return rows, ids, outputs
 
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -162,4 +273,10 @@ class ExpertServer:
             self._thread.join(timeout_s)
         elif not self._socket.closed:
             self._socket.close(linger=0)
+            if self._local is not None:
+                self._local.close()
         self._ctx.term()
+        if not self._thread.is_alive():  # else it may still be reading a mapping
+            self._attached.close()
+        if self._probe is not None:
+            self._probe.close()

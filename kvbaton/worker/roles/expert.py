@@ -73,7 +73,7 @@ class ExpertRole(Role):
         s = self.server.stats
         exchange = ExchangeLoad(exchanges=s.exchanges, rows=s.rows, bytes_in=s.bytes_in, bytes_out=s.bytes_out,
                                 busy_s=s.busy_s, alive_s=time.monotonic() - self.server.started,
-                                refused_frames=s.refused_frames)
+                                refused_frames=s.refused_frames, shared=s.shared)
         return WorkerLoad(EngineStats(), 0, 0, seq, exchange)
 
     def close(self) -> None:

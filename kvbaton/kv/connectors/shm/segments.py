@@ -62,21 +62,26 @@ class Segment:
         return cls(name, mm, owner=True)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Map someone else's segment read-only (and untracked: its creator owns the name)."""
+    def attach(cls, name: str, writable: bool = False) -> Segment:
+        """Map someone else's segment, read-only unless `writable` (and untracked: its creator owns the name).
+        A writable attach also refuses a segment others than its owner may open (mode beyond 0600)."""
         if not _NAME_OK.fullmatch(name):
             raise ValueError(f"refusing shared memory segment name {name!r}")
         # NOTE: O_NOFOLLOW: a symlink planted under our name in the world-writable /dev/shm is refused
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(os.path.join(SHM_DIR, name), (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
         try:
-            owner = os.fstat(fd).st_uid
-            if owner != os.getuid():
+            stat = os.fstat(fd)
+            if stat.st_uid != os.getuid():
                 # Another user's segment of our name would feed this worker KV of their choosing.
-                raise PermissionError(f"refusing shared memory segment {name!r}: owned by uid {owner}, "
+                raise PermissionError(f"refusing shared memory segment {name!r}: owned by uid {stat.st_uid}, "
                                       f"not this process's uid {os.getuid()}")
+            if writable and stat.st_mode & 0o077:
+                raise PermissionError(f"refusing shared memory segment {name!r}: mode {stat.st_mode & 0o777:o} "
+                                      "lets others than its owner in")
             # NOTE: prot, not access=ACCESS_READ, so a PROT_READ mapping still exposes a buffer numpy
             # can take an address from; nothing here writes through it
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED, prot=prot)
         finally:
             os.close(fd)
         return cls(name, mm, owner=False)
