@@ -206,7 +206,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "bytes of bf16; results come back exact)")
     pd.add_argument("--num-redundant-experts", type=int, default=0, metavar="R",
                     help="EPLB: R extra expert slots per MoE layer in each expert-parallel group, for copies of hot "
-                         "experts (experts + R must divide by the group size)")
+                         "experts (experts + R must divide by the group size); with --expert-workers E: copies of "
+                         "the next expert workers' experts (R a multiple of E, up to experts x (E-1)), which the "
+                         "attention workers use while an expert worker is down")
     pd.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
                     help="EPLB: re-place each group's experts from the measured load every STEPS busy steps "
                          "(weights copied in the background, swapped between steps; 0: never)")

@@ -38,12 +38,14 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 class ExpertSlot(msgspec.Struct, frozen=True, kw_only=True):
     """An expert worker's place in the AFD expert pool: rank `rank` of `size` (it owns that rank's experts of the
-    contiguous placement), its exchange socket on `port` of the worker's host. The pool chooses the port, so a
+    contiguous placement, and with `redundant` slots copies of the next ranks'), its exchange socket on `port` of
+    the worker's host. The pool chooses the port, so a
     replacement listens where the attention workers already connect."""
 
     rank: int
     size: int
     port: int
+    redundant: int = 0  # the pool's redundant slots: copies of the next ranks' experts (`ExpertMap.mirrored`)
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -73,9 +73,12 @@ class PoolConfig:
             raise ConfigError("expert-parallel sizes must be >= 1")
         if self.expert_workers < 0 or self.afd_micro_batches < 0:
             raise ConfigError("need --expert-workers >= 0 and --afd-micro-batches auto or >= 1")
-        if self.expert_workers and (self.decode_ep_size > 1 or self.num_redundant_experts or self.eplb_interval_steps):
+        if self.expert_workers and (self.decode_ep_size > 1 or self.eplb_interval_steps):
             raise ConfigError("--expert-workers puts the decode workers' experts in an expert pool: it cannot be "
-                              "combined with --expert-parallel-size or EPLB for them yet")
+                              "combined with --expert-parallel-size or --eplb-interval for them yet")
+        if self.expert_workers and self.num_redundant_experts and self.prefill_ep_size > 1:
+            raise ConfigError("--num-redundant-experts with --expert-workers applies to the expert pool: not also "
+                              "to prefill expert-parallel groups")
 
     def ep_size(self, role: WorkerRole) -> int:
         return self.prefill_ep_size if role == WorkerRole.PREFILL else self.decode_ep_size
@@ -198,6 +201,7 @@ class WorkerPool:
         self._ctx = zmq.asyncio.Context()
         self._next_index = dict.fromkeys(WorkerRole, 0)
         self._expert_exchanges: tuple[str, ...] = ()  # AFD: each expert worker's exchange address, by rank
+        self._pool_experts: set[int] = set()  # AFD: every expert the pool's workers said they own
         self._ep_groups: dict[str, str] = {}  # worker name -> its expert-parallel group
         self._hello = asyncio.Event()
         self._launched_at: dict[str, float] = {}  # worker name -> when it was launched (monotonic), until its hello
@@ -261,7 +265,8 @@ class WorkerPool:
             raise ValueError("expert workers are started with the pool (--expert-workers), not added one by one")
         rank = self._next_index[WorkerRole.EXPERT]
         return self._spec(WorkerRole.EXPERT, engine,
-                          expert_slot=ExpertSlot(rank=rank, size=self.config.expert_workers, port=port))
+                          expert_slot=ExpertSlot(rank=rank, size=self.config.expert_workers, port=port,
+                                                 redundant=self.config.num_redundant_experts))
 
     def _unit_specs(self, role: WorkerRole, engine: EngineConfig) -> list[WorkerSpec]:
         if role.decodes and self._expert_exchanges:  # an attention worker of the expert pool
@@ -360,7 +365,10 @@ class WorkerPool:
             return self.failed
         lost = [s.describe(self.config.restart) for s in self.supervisor.not_up()
                 if s.spec.role == WorkerRole.EXPERT and s.state == SlotState.DOWN]
-        if lost:  # NOTE: a restarting one is not: what the attention workers post waits for its replacement
+        # NOTE: a restarting one is not: what the attention workers post waits for its replacement; nor is one
+        # whose experts all have copies on expert workers that are up (redundant experts: routed to them)
+        served = {e for w in self.workers.values() if w.alive and w.experts is not None for e in w.experts.experts}
+        if lost and not self._pool_experts <= served:
             return f"{'; '.join(lost)}; the attention workers cannot compute the MoE layers without its experts"
         if self.can_decode:
             return None
@@ -473,6 +481,8 @@ class WorkerPool:
                                               startup=dict(msg.startup))
         if self.info is None and msg.info is not None:
             self.info = msg.info
+        if msg.experts is not None:
+            self._pool_experts.update(msg.experts.experts)
         after = "" if ready_after is None else f" {ready_after:.1f} s after its launch"
         start = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in msg.startup.items())
         logger.info("%s ready%s (pid %d, %s; its start in s: %s)", msg.name, after, msg.pid, msg.address, start)

@@ -129,6 +129,31 @@ def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention
                                          if name not in (victim, "kvbaton-both-1"))
 
 
+def test_an_expert_worker_down_for_good_with_copies_elsewhere_loses_nothing(moe_model, references):
+    """1:2 with redundant experts (every expert on both expert workers) and no restarts: SIGKILL an expert worker
+    mid-stream. The exchanges it held fail, those requests continue from their streamed tokens, the attention
+    worker routes its experts' rows to their copies, and the pool serves on without it: every stream completes
+    with transformers' tokens, and so do new requests."""
+    prompts, refs = references
+    victim = "kvbaton-expert-1"
+
+    async def scenario():
+        async with router_over(moe_model, prefill=0, decode=1, expert_workers=2, num_redundant_experts=NUM_EXPERTS,
+                               afd_micro_batches=2, max_failed_attempts=3,
+                               restart=RestartPolicy(max_restarts=0)) as router:
+            owned = {w["name"]: w["experts"]["owns"] for w in router.workers_view() if w["role"] == "expert"}
+            outs, _ = await _kill_mid_stream(router, prompts, victim, "e")
+            await async_wait_until(lambda: victim not in router.pool.workers, 30.0, interval_s=0.05,
+                                   message="the expert worker is still in the pool")
+            again = await asyncio.gather(*(collect(router, f"again{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
+            return owned, outs, again, router.pool.down_reason
+
+    owned, outs, again, reason = run(scenario())
+    assert owned == {"kvbaton-expert-0": [0, 1, 2, 3, 4, 5, 6, 7], "kvbaton-expert-1": [4, 5, 6, 7, 0, 1, 2, 3]}
+    assert outs == refs and again == refs
+    assert reason is None
+
+
 def test_an_expert_worker_down_for_good_takes_the_pool_down_with_the_reason(moe_model):
     """With no restart left, a dead expert worker leaves its experts nowhere: the pool says so (/health's 503
     reason) and a new request fails at once with it, rather than waiting on exchanges that cannot happen."""

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvbaton import LLM
-from kvbaton.config import AttentionFFNConfig
+from kvbaton.config import AttentionFFNConfig, ModelConfig
 from kvbaton.wire import SECRET_ENV
 from tests.support.helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
+from tests.support.wait import wait_until
 
 MAX_NEW = 8
 SECRET = "afd-test-secret-0123456789abcdef"
@@ -32,13 +33,16 @@ def _prompts(count: int, seed: int = 11) -> list[list[int]]:
 
 
 @contextmanager
-def expert_pool(model: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
-    """`size` expert worker processes over `model`; their exchange addresses; stopped (by PID) at the end."""
+def expert_pool(model: Path, size: int, monkeypatch: pytest.MonkeyPatch, redundant: int = 0,
+                procs: list[subprocess.Popen] | None = None) -> Iterator[list[str]]:
+    """`size` expert worker processes over `model` (into `procs`); their exchange addresses; stopped (by PID)
+    at the end."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
-    procs = [subprocess.Popen([sys.executable, "-m", "kvbaton.parallel.afd.standalone",
-                               json.dumps({"model": str(model), "rank": r, "size": size})],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(size)]
+    procs = procs if procs is not None else []
+    procs += [subprocess.Popen([sys.executable, "-m", "kvbaton.parallel.afd.standalone",
+                                json.dumps({"model": str(model), "rank": r, "size": size, "redundant": redundant})],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for r in range(size)]
     try:
         addresses = []
         for proc in procs:
@@ -100,3 +104,22 @@ def test_one_expert_worker_and_two_attention_engines_share_it(afd_models, coloca
         assert greedy(second, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]
         # auto tried each count its 3-row decode steps allow (1, 2, 3) and settled on one
         assert list(second.engine.core.micro_batch_chooser.choices()) == [4]
+
+
+def test_a_dead_expert_worker_s_experts_are_served_by_their_copies(afd_models, colocated, monkeypatch):
+    """Redundant experts in the pool (every expert on two of its workers): once an expert worker is gone, the
+    attention engine routes its experts' rows to their copies and decodes on, with no replacement."""
+    prompts, refs = colocated
+    model = afd_models["qwen3_moe"]
+    num_experts = ModelConfig.from_dir(model).moe.num_experts
+    procs: list[subprocess.Popen] = []
+    with expert_pool(model, 2, monkeypatch, redundant=num_experts, procs=procs) as experts:
+        llm = _attention(model, experts, micro_batches=2)
+        assert greedy(llm, MAX_NEW, prompts[:3]) == refs["qwen3_moe"][:3]
+        pool = llm.engine.core.expert_pool
+        assert pool.down == frozenset()
+        procs[1].kill()
+        procs[1].wait(30)
+        # the dropped connection shows on the client's monitor socket within moments
+        wait_until(lambda: pool.down == {1}, 10.0, interval_s=0.01, message=lambda: f"down: {pool.down}")
+        assert greedy(llm, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]

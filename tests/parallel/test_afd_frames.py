@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 
 import pytest
 import torch
@@ -31,10 +32,11 @@ from kvbaton.parallel.afd.frames import (
     ToExpert,
     max_frame_bytes,
 )
+from kvbaton.parallel.afd.local_channel import MAX_LOCAL_FRAME_BYTES, connect_local, local_name
 from kvbaton.parallel.afd.server import ExpertServer, bytes_of, rows_of
 from kvbaton.parallel.afd.shard import ExpertShard, ShardSpec
 from kvbaton.parallel.afd.shared_rows import PREFIX, SlotLayout, SlotPool, probe_matches, views
-from kvbaton.wire import SignedCodec
+from kvbaton.wire import Codec, SignedCodec
 
 SECRET = secrets.token_hex(32).encode()
 MAX_ROWS = 64
@@ -260,3 +262,51 @@ def test_abandoned_slots_are_unlinked_and_the_pool_serves_on(tiny_moe_models):
         client.close()
         server.close()
     assert not [name for name in os.listdir(SHM_DIR) if name.startswith(f"{PREFIX}rows-{os.getpid()}-")]
+
+
+@pytest.fixture
+def local(server):
+    """A same-host connection to the server's Unix socket (as an attention worker's)."""
+    sock = connect_local(local_name(server.address), 5.0)
+    assert sock is not None
+    yield sock
+    sock.close()
+
+
+def local_reply(sock: socket.socket, timeout_s: float = REPLY_MS / 1000):
+    sock.settimeout(timeout_s)
+    try:
+        frame = sock.recv(MAX_LOCAL_FRAME_BYTES + 1)
+    except TimeoutError:
+        return None
+    return Codec(FromExpert, MAX_LOCAL_FRAME_BYTES).decode(frame) if frame else b""
+
+
+def test_the_same_host_socket_serves_shared_dispatches_only(local, dealer, server):
+    plain = Codec(ToExpert, MAX_LOCAL_FRAME_BYTES)
+    msg, slot, expected = shared_dispatch(server, SlotPool(server.shard.hidden * 4), ticket=21)
+    try:
+        local.send(plain.encode(msg))
+        got = local_reply(local)
+        assert isinstance(got, CombinedShared) and got.ticket == 21
+        assert torch.equal(views(slot.segment, slot.layout, 5, torch.float32, server.shard.hidden)[2], expected)
+        before = server.stats.refused_frames
+        rows_msg, _ = dispatch(server, n=1)
+        hostile = [b"garbage", b"\xc1", plain.encode(PoolHello("a", 1, "float32", 1)), plain.encode(rows_msg),
+                   b"\0" * (MAX_LOCAL_FRAME_BYTES + 100), codecs(server)[0].encode(msg)]  # signed: not here
+        for frame in hostile:
+            local.send(frame)
+        local.send(plain.encode(msg))  # served after all of them, on the same connection
+        got = local_reply(local)
+        assert isinstance(got, CombinedShared) and got.ticket == 21
+        assert server.stats.refused_frames - before == len(hostile)
+    finally:
+        slot.retire()
+    assert_still_serves(dealer, server)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frame=st.binary(min_size=1, max_size=2048))
+def test_random_same_host_frames_never_get_an_answer(local, server, frame):
+    local.send(frame)
+    assert local_reply(local, 0.02) is None

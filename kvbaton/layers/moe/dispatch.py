@@ -46,6 +46,22 @@ class ExpertMap:
             raise ValueError(f"{num_experts} experts do not split evenly over {num_ranks} expert-parallel ranks")
         return cls(tuple(range(num_experts)), num_ranks)
 
+    @classmethod
+    def mirrored(cls, num_experts: int, num_ranks: int, redundant: int) -> ExpertMap:
+        """Rank r holds its contiguous share of the experts, then `redundant / num_ranks` copies of the next
+        ranks' shares (rank r+1's first, then r+2's, ...): with redundant = num_experts every expert is on two
+        ranks, and any one rank can go with all its experts still served by the others."""
+        base = cls.contiguous(num_experts, num_ranks)
+        if redundant % num_ranks or not 0 <= redundant <= num_experts * (num_ranks - 1):
+            raise ValueError(f"{redundant} redundant expert slots: need a multiple of the {num_ranks} ranks, at most "
+                             f"{num_experts * (num_ranks - 1)} (every expert on every rank)")
+        extra = redundant // num_ranks
+        slots: list[int] = []
+        for rank in range(num_ranks):
+            others = [e for k in range(1, num_ranks) for e in base.local_experts((rank + k) % num_ranks)]
+            slots += base.local_experts(rank) + others[:extra]
+        return cls(tuple(slots), num_ranks)
+
     @property
     def slots_per_rank(self) -> int:
         return len(self.physical_to_logical) // self.num_ranks
@@ -54,11 +70,14 @@ class ExpertMap:
         per = self.slots_per_rank
         return list(self.physical_to_logical[rank * per:(rank + 1) * per])
 
-    def lookup(self, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(replica slots [E, max copies] padded by repeating, copies per expert [E])."""
+    def lookup(self, num_experts: int, without: frozenset[int] = frozenset()) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replica slots [E, max copies] padded by repeating, copies per expert [E]), leaving out the slots of
+        the ranks in `without` (ValueError if an expert then has none)."""
         slots: list[list[int]] = [[] for _ in range(num_experts)]
+        per = self.slots_per_rank
         for slot, expert in enumerate(self.physical_to_logical):
-            slots[expert].append(slot)
+            if slot // per not in without:
+                slots[expert].append(slot)
         if any(not s for s in slots):
             raise ValueError("every logical expert needs at least one slot")
         width = max(len(s) for s in slots)

@@ -15,7 +15,11 @@ An expert worker whose welcome proves it shares this host's /dev/shm gets its ro
 shared-memory slots (`shared_rows.py`) unless the config turns that off: only small frames naming the slot cross,
 over a Unix socket of this user's (`local_channel.py`), and no byte of rows is copied into a frame or signed.
 Where that socket is down (its expert worker died and the replacement is not up yet) they go signed over the
-ZeroMQ socket, which queues them until the replacement connects; the Unix socket is tried again now and then."""
+ZeroMQ socket, which queues them until the replacement connects; the Unix socket is tried again now and then.
+
+With redundant experts in the pool (`ExpertMap.mirrored`), a worker whose connection dropped is routed around
+while every expert it holds has a copy on a worker that is up: only the exchanges it held fail, and the next
+steps go on without waiting for its replacement, whose slots are used again once it connects."""
 
 from __future__ import annotations
 
@@ -50,6 +54,7 @@ from kvbaton.wire import ChannelError, Codec, SignedCodec
 logger = logging.getLogger(__name__)
 
 
+UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # a (re)connected expert worker
 LOCAL_RETRY_S = 0.05  # how often a post tries to reach a same-host expert worker's Unix socket again
 
 
@@ -96,12 +101,14 @@ class ExpertPoolClient:
             dealer.setsockopt(zmq.MAXMSGSIZE, limit)
             dealer.setsockopt(zmq.LINGER, 0)
             self._sockets.append(dealer)
-            self._monitors.append(dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+            self._monitors.append(dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED | UP_EVENT))
             dealer.connect(address)
         self._next_ticket = 1
         self._in_flight: set[int] = set()
         self._awaiting: list[set[int]] = [set() for _ in config.experts]  # per worker: tickets it has not answered
         self._lost: set[int] = set()  # tickets a dropped connection took with it
+        self._down: set[int] = set()  # workers whose connection dropped and is not back
+        self._routed_without: frozenset[int] = frozenset()  # the down workers the slot table leaves out
         self._early: dict[tuple[int, int], FromExpert] = {}  # (worker, ticket) answered before it was waited for
         self._shared: list[SlotPool | None] = []  # per worker: its shared-memory slots (None: rows in frames)
         self._in_slot: dict[tuple[int, int], Slot] = {}  # (worker, ticket): the slot an exchange's rows are in
@@ -157,9 +164,34 @@ class ExpertPoolClient:
                 raise ConfigError(f"expert worker {where} holds MoE layers {w.layers}, this model has {moe_layers}")
         return ExpertMap(tuple(slot for w in welcomes for slot in w.slots), size)
 
+    @property
+    def down(self) -> frozenset[int]:
+        """The expert workers (pool ranks) whose connection dropped and is not back, as of now."""
+        for worker in range(len(self._sockets)):
+            self._note_disconnects(worker)
+        return frozenset(self._down)
+
+    def _routing(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot table for the next exchange: without the down workers' slots while copies of all their
+        experts are up elsewhere (redundant experts); with them otherwise (their rows wait for the replacement)."""
+        down = self.down
+        if down != self._routed_without:
+            try:
+                self.slot_table, self.copies = self.map.lookup(self.num_experts, down)
+                around = True
+            except ValueError:  # some expert has no copy up: its rows queue for the replacement
+                self.slot_table, self.copies = self.map.lookup(self.num_experts)
+                around = False
+            self._routed_without = down
+            if down:
+                logger.warning("expert pool: workers %s down; routing %s", sorted(down),
+                               "to copies of their experts" if around else "to them still (no copies up)")
+        return self.slot_table, self.copies
+
     def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Pending:
         """Send layer `layer`'s rows x [T, H] (routed to ids [T, k] by weights [T, k]) to their experts' workers."""
-        tokens, slots = choose_slots(ids, self.slot_table, self.copies, 1, self.config.index)
+        slot_table, copies = self._routing()
+        tokens, slots = choose_slots(ids, slot_table, copies, 1, self.config.index)
         order = torch.argsort(slots, stable=True)
         sorted_slots = slots[order]
         rows = x[tokens[order]].to(self.dtype)
@@ -212,6 +244,7 @@ class ExpertPoolClient:
             self._local_retry[worker] = time.monotonic() + LOCAL_RETRY_S
         self._lost |= self._awaiting[worker]
         self._awaiting[worker].clear()
+        self._down.add(worker)
 
     def _dispatch(self, worker: int, ticket: int, layer: int, rows: torch.Tensor, local: torch.Tensor
                   ) -> DispatchRows | DispatchShared:
@@ -287,9 +320,13 @@ class ExpertPoolClient:
         """A dropped connection to `worker` (it died) loses the exchanges it had not answered."""
         monitor = self._monitors[worker]
         while monitor.poll(0):
-            if recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED:
+            event = recv_monitor_message(monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
                 self._lost |= self._awaiting[worker]
                 self._awaiting[worker].clear()
+                self._down.add(worker)
+            elif event == UP_EVENT:
+                self._down.discard(worker)
 
     def _receive(self, worker: int, ticket: int | None) -> FromExpert:
         """The reply of `worker` to `ticket` (None: its welcome); replies to other exchanges in flight are kept."""

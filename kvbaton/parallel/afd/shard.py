@@ -2,8 +2,9 @@
 computation a dispatched row asks of them (the row through its slot's expert, weight 1: the attention worker
 that sent it weights and sums, `layers.moe.dispatch.combine`).
 
-The pool's placement is the expert-parallel one (`ExpertMap`: slot s on expert worker s // slots_per_worker);
-today contiguous, E / size experts a worker."""
+The pool's placement is the expert-parallel one (`ExpertMap`: slot s on expert worker s // slots_per_worker):
+contiguous, E / size experts a worker, and with `redundant` slots, copies of the next workers' experts
+(`ExpertMap.mirrored`), which an attention worker routes to while their first owner is down."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class ShardSpec:
     kernels: bool = True  # bf16: compute through the C experts kernel where the CPU has one
     compute_path: str = "auto"  # the engine's --compute-path (its experts' kernel follows it)
     deterministic: bool = False  # batch-invariant kernels, as the attention workers' engines
+    redundant: int = 0  # the pool's redundant expert slots (a multiple of size): copies of other workers' experts
 
 
 class ExpertShard:
@@ -42,7 +44,10 @@ class ExpertShard:
             raise ConfigError(f"{spec.model_dir} has no sparse-expert (MoE) layers: nothing for an expert worker")
         self.spec = spec
         self.hidden, self.num_experts = cfg.hidden_size, cfg.moe.num_experts
-        self.map = ExpertMap.contiguous(self.num_experts, spec.size)
+        try:
+            self.map = ExpertMap.mirrored(self.num_experts, spec.size, spec.redundant)
+        except ValueError as exc:
+            raise ConfigError(f"expert pool of {spec.size}: {exc}") from exc
         self.slots = self.map.local_experts(spec.rank)
         self.layers: dict[int, GroupedExperts] = {}
         kernel = moe_kernel_of(plan_compute(spec.dtype, spec.compute_path, spec.deterministic, spec.kernels)) \

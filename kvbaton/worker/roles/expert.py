@@ -41,7 +41,8 @@ class ExpertRole(Role):
         engine = spec.engine
         self.shard = ExpertShard(ShardSpec(resolve_model(engine.model), slot.rank, slot.size,
                                            resolve_dtype(engine.dtype), kernels=engine.kernels,
-                                           compute_path=engine.compute_path, deterministic=engine.deterministic))
+                                           compute_path=engine.compute_path, deterministic=engine.deterministic,
+                                           redundant=slot.redundant))
         startup.lap("experts")
         self.server = ExpertServer(self.shard, secret, host=spec.host, port=slot.port)
         self.server.start()

@@ -48,3 +48,19 @@ def test_expert_map_lookup_and_validation():
         ExpertMap((0, 1, 2), num_ranks=2)
     with pytest.raises(ValueError, match="evenly"):
         ExpertMap.contiguous(6, 4)
+
+
+def test_a_mirrored_map_puts_each_rank_s_experts_on_the_next_ranks():
+    m = ExpertMap.mirrored(6, 3, 6)  # every expert twice: its own rank, and the rank before it
+    assert [m.local_experts(r) for r in range(3)] == [[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 0, 1]]
+    for rank in range(3):  # any one rank down: every expert still has a slot
+        table, copies = m.lookup(6, frozenset({rank}))
+        assert sorted(copies.tolist()) == [1, 1, 1, 1, 2, 2]  # the two experts both others hold keep 2 copies
+        assert all(slot // m.slots_per_rank != rank for slot in table.flatten().tolist())
+    with pytest.raises(ValueError, match="at least one slot"):
+        m.lookup(6, frozenset({0, 1}))  # experts 2, 3 were only on ranks 0 and 1
+    assert ExpertMap.mirrored(4, 2, 2).local_experts(0) == [0, 1, 2]  # a partial mirror: the next rank's first
+    assert ExpertMap.mirrored(4, 2, 0) == ExpertMap.contiguous(4, 2)
+    for bad in (1, 3, 10):  # not a multiple of the ranks, or more copies than other ranks
+        with pytest.raises(ValueError, match="redundant"):
+            ExpertMap.mirrored(4, 2, bad)
