@@ -7,6 +7,9 @@ Set-ups, every one on the machine's 2 cores, each (set-up, batch) in fresh proce
 - **colocated**: one engine process, 2 threads, its default decode bursts (the C layer loop; what `kvbaton serve`
   runs); **colocated, single steps**: the same with `decode_burst=1`, the like-for-like reference for AFD with m > 1
   (which turns bursts off);
+- **EP2**: two engine processes (1 thread each) of an expert-parallel group, each holding half the experts and
+  half the sequences (attention data-parallel), tokens crossing them over gloo in every MoE layer: the other way
+  to split the 2 cores; its throughput is the batch over the slower rank's step;
 - **AFD m**: an attention engine (1 thread) whose MoE layers go to one expert worker process (1 thread,
   `python -m kvbaton.parallel.afd.standalone`), each decode step in m micro-batches, the rows through same-host
   shared memory (signed ZeroMQ frames on 127.0.0.1 naming the slot; what `kvbaton serve` does on one host);
@@ -39,13 +42,16 @@ from common.procs import stop_pids, thread_env
 from common.prompts import fresh_seed, make_prompts
 from common.records import to_json
 from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, ratio, stamp
+from common.servers import free_port
 from moe_ep_bench.models import DECODE_PROMPT, SHAPE, qwen3_moe_config, write_tokenizer
 
 RESULT_PREFIX = "afd"
+CONTEXTS = (1024, 4096)  # tokens per sequence, for the memory-budget table
+MEMORY_BUDGETS_GIB = (0.25, 0.5)  # one worker's memory (the bench model is small: budgets to match)
 SECRET = "bench-afd-secret-0123456789abcdef"  # the expert worker and the attention engine sign with it
 SETUPS = {  # name: (engine threads, decode_burst (None: the default), micro-batches (None: colocated; 0: auto),
     #               rows through shared memory)
-    "colocated": (2, None, None, False), "colocated-single-steps": (2, 1, None, False),
+    "colocated": (2, None, None, False), "colocated-single-steps": (2, 1, None, False), "ep2": (1, None, None, False),
     "afd-m1": (1, None, 1, True), "afd-m2": (1, None, 2, True), "afd-m4": (1, None, 4, True),
     "afd-auto": (1, None, 0, True), "afd-m1-frames": (1, None, 1, False), "afd-m2-frames": (1, None, 2, False)}
 
@@ -68,11 +74,14 @@ def build_model(root: Path, seed: int) -> Path:
 def run_job(job: dict) -> dict:
     """The engine of one set-up over `job["batch"]` sequences: every step timed, with the expert pool's counters."""
     from kvbaton import LLM, SamplingParams
-    from kvbaton.config import AttentionFFNConfig
+    from kvbaton.config import AttentionFFNConfig, ExpertParallelConfig
 
     afd = AttentionFFNConfig(experts=tuple(job["experts"]), micro_batches=job["m"], shared_memory=job["shared"]) \
         if job["experts"] else None
-    extra = {"decode_burst": job["burst"]} if job["burst"] is not None else {}
+    extra: dict = {"decode_burst": job["burst"]} if job["burst"] is not None else {}
+    if job.get("ep_rank") is not None:
+        extra["expert_parallel"] = ExpertParallelConfig(size=2, rank=job["ep_rank"],
+                                                        init_method=f"tcp://127.0.0.1:{job['ep_port']}")
     llm = LLM(job["model"], dtype="bfloat16", num_threads=job["threads"], max_model_len=512,
               kv_cache_memory_gb=0.5, attention_ffn=afd, max_num_seqs=max(64, job["batch"]), **extra)
     core = llm.engine.core
@@ -107,11 +116,38 @@ def run_job(job: dict) -> dict:
         full = [s for s in steps if s[1] == n and s[0] in (n, n * s[2])]
         phases.append({"tag": tag, "steps": full})
     totals = {"wait_s": pool.stats.wait_s, "step_s": pool.stats.step_s} if pool else {}
+    model = core.runner.model
+    memory = {"weight_bytes": sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]),
+              "kv_bytes_per_token": core.kv_layout.bytes_per_block // core.kv_layout.block_size}
     core.close()
-    return {"phases": phases[1:], "compute_path": llm.engine.info.compute_path, **totals}
+    return {"phases": phases[1:], "compute_path": llm.engine.info.compute_path, **totals, **memory}
+
+
+def launch_ep2(model: Path, batch: int, args: argparse.Namespace, seed: int) -> dict:
+    """The two ranks of an EP2 group at once, batch / 2 sequences each (their prompts differ by rank); the step
+    times of the slower rank stand for the group's (`summarize` takes the batch over it)."""
+    port = free_port()
+    env = {**thread_env(1), "KVBATON_CLUSTER_SECRET": SECRET}
+    procs = [subprocess.Popen([sys.executable, __file__, "--run", json.dumps({
+        "model": str(model), "threads": 1, "burst": None, "m": None, "shared": False, "experts": [],
+        "batch": batch // 2, "tokens": args.decode_tokens, "repeats": args.repeats, "seed": seed + rank,
+        "ep_rank": rank, "ep_port": port})], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for rank in range(2)]
+    try:
+        outs = [proc.communicate(timeout=args.job_timeout_s) for proc in procs]
+    finally:
+        stop_pids([proc.pid for proc in procs if proc.poll() is None])
+    for proc, (_, err) in zip(procs, outs):
+        if proc.returncode != 0:
+            raise RuntimeError(f"ep2 at batch {batch} failed:\n{err[-3000:]}")
+    ranks = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    slower = max(ranks, key=lambda r: statistics.median(s[3] / s[2] for ph in r["phases"] for s in ph["steps"]))
+    return {"setup": "ep2", "batch": batch, **slower, "expert": None}
 
 
 def launch_job(model: Path, setup: str, batch: int, args: argparse.Namespace, seed: int) -> dict:
+    if setup == "ep2":
+        return launch_ep2(model, batch, args, seed)
     threads, burst, m, shared = SETUPS[setup]
     env = {**thread_env(threads), "KVBATON_CLUSTER_SECRET": SECRET}
     expert, experts, expert_stats = None, [], None
@@ -280,7 +316,7 @@ def model_check(run: dict, rows: dict) -> list[str]:
                    f"{fmt(r.get('attention_bubble'), '.2f')} / {fmt(r.get('expert_bubble'), '.2f')} | "
                    f"{predicted.attention_bubble:.2f} / {predicted.expert_bubble:.2f} |")
     out += ["", "Where the timeline misses, it is optimistic for m = 2: it takes the two sides for independent "
-            "machines, while here they are two processes on one 2-core host (with ZeroMQ's I/O threads besides) that "
+            "machines, while here they are two processes on one 2-core host that "
             "slow each other down when their work overlaps, which m = 1 (strict alternation) never shows it."]
     return out
 
@@ -304,7 +340,8 @@ def render(run: dict, rows: dict) -> str:
                      f"{fmt(row.get('attention_bubble'), '.2f')} | {fmt(row.get('expert_bubble'), '.2f')} | "
                      f"{fmt(row['bytes_per_step'] / 1024 if row.get('bytes_per_step') else None, '.0f')} |")
     lines += ["", "One MoE layer's exchange with an expert worker (1 thread each side), per micro-batch: the rows in "
-              "signed frames over 127.0.0.1 (frames), or in a shared-memory slot named by a small signed frame (shm):",
+              "signed frames over 127.0.0.1 (frames), or in a shared-memory slot named by a small frame on a Unix "
+              "socket (shm):",
               "", "| tokens | rows (x top-k) | frame KiB | expert compute ms | round trip ms, frames | overhead ms, "
               "frames | round trip ms, shm | overhead ms, shm | sign+encode ms | verify+decode ms |",
               "|---|---|---|---|---|---|---|---|---|---|"]
@@ -314,7 +351,28 @@ def render(run: dict, rows: dict) -> str:
                      f"{e['round_trip_ms']:.2f} | {e['round_trip_ms'] - e['compute_ms']:.2f} | {fmt(shm, '.2f')} | "
                      f"{fmt(shm - e['compute_ms'] if shm is not None else None, '.2f')} | "
                      f"{e['encode_ms']:.3f} | {e['decode_ms']:.3f} |")
-    return "\n".join(lines + model_check(run, rows) + reading(run, rows)) + "\n"
+    return "\n".join(lines + memory_table(run) + model_check(run, rows) + reading(run, rows)) + "\n"
+
+
+def memory_table(run: dict) -> list[str]:
+    """The largest batch whose KV fits one worker's memory budget beside its weights: a colocated worker holds
+    every weight, an AFD attention worker all but the routed experts (the expert workers hold those)."""
+    held = {}
+    for r in run["jobs"]:
+        if r["setup"] in ("colocated", "afd-m1") and "weight_bytes" in r:
+            held[r["setup"]] = (r["weight_bytes"], r["kv_bytes_per_token"])
+    if len(held) < 2:
+        return []
+    out = ["", f"The largest batch of {', '.join(str(c) for c in CONTEXTS)}-token sequences whose KV fits a worker's "
+           "memory budget beside its weights (bf16 KV; the weights each process holds, measured):", "",
+           "| budget GiB | worker | weights MiB | " + " | ".join(f"batch at {c}" for c in CONTEXTS) + " |",
+           "|---|---|---|" + "---|" * len(CONTEXTS)]
+    for budget in MEMORY_BUDGETS_GIB:
+        for setup, label in (("colocated", "colocated"), ("afd-m1", "AFD attention worker")):
+            weights, per_token = held[setup]
+            fits = [max(0, int((budget * 2**30 - weights) // (per_token * c))) for c in CONTEXTS]
+            out.append(f"| {budget} | {label} | {weights / 2**20:.0f} | " + " | ".join(map(str, fits)) + " |")
+    return out
 
 
 def reading(run: dict, rows: dict) -> list[str]:
@@ -332,6 +390,9 @@ def reading(run: dict, rows: dict) -> list[str]:
         line = (f"- batch {batch}: the best AFD set-up is {best} at {afd[best]['tok_s'] / base:.2f}x colocated "
                 f"throughput (bubbles: attention {afd[best]['attention_bubble']:.2f}, expert "
                 f"{afd[best]['expert_bubble']:.2f})")
+        ep2 = rows.get(("ep2", batch), {}).get("tok_s")
+        if ep2:
+            line += f", {afd[best]['tok_s'] / ep2:.2f}x EP2 (which is {ep2 / base:.2f}x colocated)"
         e = exchange.get(batch // 2)
         if e:
             tf, tc = e["compute_ms"], e.get("shared_round_trip_ms", e["round_trip_ms"]) - e["compute_ms"]
@@ -350,10 +411,11 @@ def reading(run: dict, rows: dict) -> list[str]:
                 f"each way), of which signing and verifying both frames is {mac:.2f} ms."]
         if "shared_round_trip_ms" in large:
             small_sc, large_sc = (e["shared_round_trip_ms"] - e["compute_ms"] for e in (small, large))
-            out[-1] += (f" Through shared memory (no row in a frame, nothing signed but a small frame naming the "
-                        f"slot) it costs {small_sc:.2f} ms at {small['batch']} tokens and {large_sc:.2f} ms at "
-                        f"{large['batch']}: what is left is the fixed cost of a round trip between two processes "
-                        "(ZeroMQ's threads, the wake-ups) and the Python of both ends, which every extra micro-batch "
+            out[-1] += (f" Through shared memory (no row in a frame, nothing signed, a small frame naming the "
+                        f"slot on a Unix socket) it costs {small_sc:.2f} ms at {small['batch']} tokens and "
+                        f"{large_sc:.2f} ms at {large['batch']}: what is left is mostly the Python and torch of both "
+                        "ends (choosing slots, gathering and copying rows, combining; a bare Unix-socket round trip "
+                        "between two processes is 0.015 ms here, ZeroMQ's 0.19 ms), which every extra micro-batch "
                         "pays again in every MoE layer. The exchange inside the C layer loop is the step work of "
                         "issue 30 that would cut it further.")
     return out
