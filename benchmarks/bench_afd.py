@@ -460,6 +460,8 @@ def main() -> None:
            "seed": seed, "environment": to_json(environment()), "decode_tokens": args.decode_tokens,
            "repeats": args.repeats, "jobs": jobs, "exchange": exchange, "wall_s": time.perf_counter() - t0}
     rows = summarize(run)
+    costs = fit_costs(rows)  # what `kvbaton plan --afd-profile <this run's JSON>` plans from
+    run["afd_profile"] = costs.to_dict() if costs is not None else None
     prefix = RESULT_PREFIX + ("-quick" if args.quick else "")
     ResultFiles.of(args.out_dir, prefix, stamp(started)).write(run, render(run, rows), run["wall_s"])
 

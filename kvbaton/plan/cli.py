@@ -4,6 +4,7 @@
     kvbaton plan --model llama-3-70b --hardware h800-sxm --weight-dtype fp16 --nodes 8 --current-tp 4 \\
         --current-pp 2 --qps 200 --input-len 1500 --output-len 300 --slo-tpot-ms 120   # diagnose
     kvbaton plan --example article      # the article's case: the same as the line above, with its observations
+    kvbaton plan --afd-profile benchmarks/results/afd-<stamp>.json --afd-workers 4 --afd-batch 32   # AFD split
 
 An example fixes the model, hardware, deployment and load; the simulation flags (--window-s, --seed, ...) and
 the outputs (--json, --plot-dir) still apply.
@@ -12,11 +13,14 @@ the outputs (--json, --plot-dir) still apply.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+from pathlib import Path
 
 from rich.console import Console
 
 from kvbaton.config import ConfigError, SchedulerConfig
+from kvbaton.plan import afd
 from kvbaton.plan.deployment import DeploymentPlan
 from kvbaton.plan.diagnose import Observation
 from kvbaton.plan.evaluate import SimOptions
@@ -67,6 +71,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     d.add_argument("--max-num-batched-tokens", type=int, default=8192)
     d.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     d.add_argument("--block-size", type=int, default=16)
+    a = p.add_argument_group("attention/FFN disaggregation (instead of a search: kvbaton/plan/afd.py)")
+    a.add_argument("--afd-profile", default=None, metavar="FILE",
+                   help="each side's costs (JSON; benchmarks/bench_afd.py's result holds one fitted on its machine)")
+    a.add_argument("--afd-workers", type=int, default=2, help="workers to split into attention and expert workers")
+    a.add_argument("--afd-batch", type=int, default=32, help="sequences each attention worker decodes")
+    a.add_argument("--afd-micro-batches", default="1,2,3,4", help="micro-batch counts to consider")
     s = p.add_argument_group("simulation and output")
     s.add_argument("--window-s", type=float, default=60.0, help="simulated seconds of arrivals per run")
     s.add_argument("--seed", type=int, default=0)
@@ -79,6 +89,8 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.afd_profile:
+        return plan_afd(args)
     scenario = EXAMPLES[args.example] if args.example else scenario_from_args(args)
     options = SimOptions(window_s=_positive(args.window_s, "--window-s"), seed=args.seed,
                          search_steps=int(_positive(args.search_steps, "--search-steps")),
@@ -87,6 +99,15 @@ def main(args: argparse.Namespace) -> int:
     progress = Console(stderr=True)
     note = (lambda _: None) if args.quiet else (lambda line: progress.print(f"[dim]{line}[/dim]"))
     return run_scenario(scenario, options, console, note, json_path=args.json, plot_dir=args.plot_dir)
+
+
+def plan_afd(args: argparse.Namespace) -> int:
+    report = afd.plan(afd.load_profile(args.afd_profile), args.afd_workers, args.afd_batch,
+                      _sizes(args.afd_micro_batches, "--afd-micro-batches"))
+    afd.print_report(Console() if Console().is_terminal else Console(width=160), report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_json(), indent=1))
+    return 0
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:

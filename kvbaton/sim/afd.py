@@ -17,8 +17,12 @@ imports torch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from kvbaton.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,27 @@ class AfdCosts:
     latency_s: float  # one way on the wire, neither side busy
     layers: int  # decoder layers
     moe_layers: int  # of which MoE (the others' FFN runs on the attention side, in `attention`)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON profile `kvbaton plan --afd-profile` reads (`benchmarks/bench_afd.py` writes one)."""
+        return {"attention": vars(self.attention), "post": vars(self.post), "experts": vars(self.experts),
+                "latency_s": self.latency_s, "layers": self.layers, "moe_layers": self.moe_layers}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> AfdCosts:
+        """A profile from `to_dict`'s JSON; ConfigError naming what is missing or out of range."""
+        try:
+            sides = {side: Affine(float(d[side]["fixed_s"]), float(d[side].get("per_token_s", 0.0)))
+                     for side in ("attention", "post", "experts")}
+            costs = cls(**sides, latency_s=float(d["latency_s"]), layers=int(d["layers"]),
+                        moe_layers=int(d["moe_layers"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"an AFD profile needs attention/post/experts {{fixed_s, per_token_s}}, latency_s, "
+                              f"layers and moe_layers: {type(exc).__name__} {exc}") from None
+        prices = [costs.latency_s] + [x for a in sides.values() for x in (a.fixed_s, a.per_token_s)]
+        if not all(math.isfinite(x) and x >= 0 for x in prices) or not 0 < costs.moe_layers <= costs.layers:
+            raise ConfigError("an AFD profile's prices must be finite and >= 0, with 0 < moe_layers <= layers")
+        return costs
 
 
 @dataclass(frozen=True)

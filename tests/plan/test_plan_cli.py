@@ -65,3 +65,39 @@ def test_bad_input_is_one_line_and_status_2(capsys, args: list[str], message: st
     assert main(["plan", *args, *FAST]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("kvbaton: error:") and message in err and "\n" not in err
+
+
+AFD_PROFILE = {"attention": {"fixed_s": 1e-3, "per_token_s": 1e-5}, "post": {"fixed_s": 2e-4, "per_token_s": 0.0},
+               "experts": {"fixed_s": 5e-4, "per_token_s": 4e-5}, "latency_s": 5e-5, "layers": 8, "moe_layers": 8}
+
+
+def test_afd_plan_picks_the_split_and_m_from_a_profile(capsys, tmp_path) -> None:
+    from kvbaton.sim.afd import AfdCosts, plan_afd
+
+    profile, out_json = tmp_path / "run.json", tmp_path / "afd.json"
+    profile.write_text(json.dumps({"jobs": [], "afd_profile": AFD_PROFILE}))  # a bench_afd result holds one
+    assert main(["plan", "--afd-profile", str(profile), "--afd-workers", "4", "--afd-batch", "32",
+                 "--json", str(out_json)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    doc = json.loads(out_json.read_text())
+    expected = plan_afd(AfdCosts.from_dict(AFD_PROFILE), 32, 4)
+    best = doc["plans"][0]
+    assert (best["attention_workers"], best["expert_workers"], best["micro_batches"]) == (
+        expected[0].attention_workers, expected[0].expert_workers, expected[0].micro_batches)
+    assert [p["tokens_per_s"] for p in doc["plans"]] == sorted((p["tokens_per_s"] for p in doc["plans"]), reverse=True)
+    assert len(doc["plans"]) == 3 and set(doc["per_micro_batches"]) == {"1", "2", "3", "4"}
+    assert f"best {best['attention_workers']}:{best['expert_workers']} (attention:expert) at m = " in out
+
+
+@pytest.mark.parametrize(("profile", "message"), [
+    (None, "No such file"), ("{", "not JSON"), ({"afd_profile": None}, "no profile"),
+    ({**AFD_PROFILE, "layers": "many"}, "an AFD profile needs"), ({**AFD_PROFILE, "latency_s": -1}, ">= 0"),
+    ({k: v for k, v in AFD_PROFILE.items() if k != "experts"}, "an AFD profile needs"),
+])
+def test_a_bad_afd_profile_is_one_line_and_status_2(capsys, tmp_path, profile, message) -> None:
+    path = tmp_path / "profile.json"
+    if profile is not None:
+        path.write_text(profile if isinstance(profile, str) else json.dumps(profile))
+    assert main(["plan", "--afd-profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvbaton: error:") and message in err and "\n" not in err
