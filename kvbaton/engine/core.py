@@ -15,6 +15,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -322,14 +323,17 @@ class EngineCore:
         if sched.is_empty and self.scheduler.loading and self.store is not None:
             self.store.wait_for_load(LOAD_WAIT_S)  # nothing else to run: no busy loop while a prefix loads
         chosen = self._choose_micro_batches(sched)
+        afd_step: dict[str, Any] | None = None
         try:
             start = time.perf_counter()
+            waited_before = self.expert_pool.stats.wait_s if self.expert_pool is not None else 0.0
             model_output = self.runner.execute(sched)
             if self.expert_pool is not None:
                 executed_s = time.perf_counter() - start
                 self.expert_pool.stats.step_s += executed_s
                 if chosen is not None and self.micro_batch_chooser is not None:
                     self.micro_batch_chooser.record(len(sched.scheduled), chosen, executed_s)
+                afd_step = self._afd_step(sched, executed_s, self.expert_pool.stats.wait_s - waited_before)
             if self.expert_stats is not None and not sched.is_empty:
                 self.expert_stats.record_step(sched.decode_steps)
             outputs = self.scheduler.update_from_output(sched, model_output)
@@ -354,7 +358,7 @@ class EngineCore:
                 self._decode_steps = self._decode_steps.add(mixed=shape.prefill_tokens > 0, seconds=seconds)
         if self.step_trace is not None:  # timed as `sim profile` times a step: from scheduling on
             for _ in range(sched.decode_steps):
-                self.step_trace.record(shape, seconds)
+                self.step_trace.record(shape, seconds, afd_step)
         return StepResult(outputs, model_output.failed_transfers, refused)
 
     def _store_step(self, sched: SchedulerOutput, seconds: float, new_blocks: list[tuple[BlockHash, int]]) -> None:
@@ -418,6 +422,14 @@ class EngineCore:
         chosen = self.micro_batch_chooser.pick(len(sched.scheduled))
         self.runner.model.micro_batches = chosen
         return chosen
+
+    def _afd_step(self, sched: SchedulerOutput, executed_s: float, waited_s: float) -> dict[str, Any]:
+        """An AFD step as the step trace shows it: its micro-batches (a step with a prompt chunk, or a burst, runs
+        whole), its wait for the expert pool and the share of the step that is (the attention side's bubble)."""
+        decode_only = sched.decode_steps == 1 and sched.num_scheduled_tokens == len(sched.scheduled)
+        m = min(self.runner.model.micro_batches, len(sched.scheduled)) if decode_only else 1
+        return {"micro_batches": m, "wait_s": round(waited_s, 6),
+                "attention_bubble": round(waited_s / executed_s, 4) if executed_s > 0 else 0.0}
 
     def _afd_stats(self) -> AfdStats | None:
         if self.expert_pool is None:

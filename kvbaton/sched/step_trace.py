@@ -4,6 +4,7 @@
 
     {"format": "kvbaton-step-trace/1", "model": ..., "threads": ..., "role": "both", ...}   header: the engine
     {"t": 1796198400.12, "seconds": 0.0213, "shape": {"prefill_tokens": 0, ..., "decode_seqs": 5, ...}}
+    {..., "afd": {"micro_batches": 2, "wait_s": 0.0081, "attention_bubble": 0.38}}   an AFD attention worker's step
 
 Why: `kvbaton sim profile` times crafted steps on an engine alone; a served step shares the machine with
 the frontend (HTTP, tokenizer, detokenizer, IPC), other workers and KV transfers. `kvbaton sim fit-steps`
@@ -57,7 +58,9 @@ class StepTrace:
         """This process's trace in `directory` (one file per process: a pool's workers never share one)."""
         return cls(Path(directory) / f"steps-{os.getpid()}.jsonl", header, max_steps)
 
-    def record(self, shape: StepShape, seconds: float) -> None:
+    def record(self, shape: StepShape, seconds: float, afd: dict[str, Any] | None = None) -> None:
+        """One step; `afd`: an attention worker's micro-batches, its wait for the expert pool and that wait's
+        share of the model's time (its bubble) in this step."""
         if self._file is None or shape.is_empty:
             return
         if self.steps >= self.max_steps:
@@ -66,7 +69,8 @@ class StepTrace:
             self.close()
             return
         self.steps += 1
-        self._write({"t": round(time.time(), 6), "seconds": seconds, "shape": dataclasses.asdict(shape)})
+        line = {"t": round(time.time(), 6), "seconds": seconds, "shape": dataclasses.asdict(shape)}
+        self._write(line if afd is None else {**line, "afd": afd})
         if self._file is not None and time.monotonic() - self._flushed_at >= FLUSH_EVERY_S:
             self._flushed_at = time.monotonic()
             try:

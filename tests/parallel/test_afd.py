@@ -71,10 +71,10 @@ def colocated(afd_models):
 
 
 def _attention(model: Path, experts: list[str], index: int = 0, micro_batches: int = 1,
-               shared_memory: bool = True) -> LLM:
+               shared_memory: bool = True, **engine) -> LLM:
     afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=30,
                              shared_memory=shared_memory)
-    return LLM(str(model), dtype="float32", num_threads=1, block_size=4, attention_ffn=afd)
+    return LLM(str(model), dtype="float32", num_threads=1, block_size=4, attention_ffn=afd, **engine)
 
 
 def _with_micro_batches(llm: LLM, m: int) -> LLM:
@@ -95,12 +95,22 @@ def test_afd_matches_colocated_for_every_micro_batch_count(arch, afd_models, col
         assert pool.shared_memory == pool.local_channels == [shared, shared]
 
 
-def test_one_expert_worker_and_two_attention_engines_share_it(afd_models, colocated, monkeypatch):
+def test_one_expert_worker_and_two_attention_engines_share_it(afd_models, colocated, monkeypatch, tmp_path):
     prompts, refs = colocated
     model = afd_models["qwen3_moe"]
     with expert_pool(model, 1, monkeypatch) as experts:
-        first, second = _attention(model, experts, 0, 2), _attention(model, experts, 1, 0)  # m = 2; auto
+        # m = 2, its steps traced; auto
+        first = _attention(model, experts, 0, 2, step_trace_dir=str(tmp_path))
+        second = _attention(model, experts, 1, 0)
         assert greedy(first, MAX_NEW, prompts[:3]) == refs["qwen3_moe"][:3]
+        first.engine.core.step_trace.close()
+        steps = [json.loads(line) for path in tmp_path.glob("steps-*.jsonl") for line in path.read_text().splitlines()]
+        afd = [(s["shape"], s["afd"]) for s in steps[1:]]
+        # every step's bubble is traced; decode steps in 2 micro-batches (1 for a lone sequence), prompts whole
+        assert afd and all(0 <= a["attention_bubble"] <= 1 and a["wait_s"] >= 0 for _, a in afd)
+        assert all(a["micro_batches"] == (1 if shape["prefill_tokens"] else min(2, shape["decode_seqs"]))
+                   for shape, a in afd)
+        assert any(a["micro_batches"] == 2 for _, a in afd)
         assert greedy(second, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]
         # auto tried each count its 3-row decode steps allow (1, 2, 3) and settled on one
         assert list(second.engine.core.micro_batch_chooser.choices()) == [4]
