@@ -42,10 +42,13 @@ from common.procs import stop_pids, thread_env
 from common.prompts import fresh_seed, make_prompts
 from common.records import to_json
 from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, ratio, stamp
-from common.servers import free_port
+from common.servers import Server, free_port, kvbaton_server
 from moe_ep_bench.models import DECODE_PROMPT, SHAPE, qwen3_moe_config, write_tokenizer
 
 RESULT_PREFIX = "afd"
+SERVED = {  # `kvbaton serve` flags of each served set-up (the same 2 cores: 2 threads, or 1 per worker)
+    "colocated": ["--threads", "2"],
+    "afd-auto": ["--threads", "1", "--expert-workers", "1", "--attention-workers", "1", "--afd-micro-batches", "auto"]}
 CONTEXTS = (1024, 4096)  # tokens per sequence, for the memory-budget table
 MEMORY_BUDGETS_GIB = (0.25, 0.5)  # one worker's memory (the bench model is small: budgets to match)
 SECRET = "bench-afd-secret-0123456789abcdef"  # the expert worker and the attention engine sign with it
@@ -253,6 +256,53 @@ def measure_exchange(shard, codec, clients, x, ids, weights, reps: int) -> dict:
             "shared_round_trip_ms": time_ms(lambda: round_trip(clients[True]), reps)}
 
 
+# ---- served, under a Poisson load ------------------------------------------------------------------
+
+
+def serve_poisson(model: Path, args: argparse.Namespace, seed: int, work: Path) -> list[dict]:
+    """Each served set-up under the same Poisson arrivals (`kvbaton bench serve`, random prompts, ignore_eos):
+    TTFT and TPOT p50/p99 and output throughput, as a user of the endpoint sees them."""
+    runs = []
+    for setup, flags in SERVED.items():
+        port = free_port()
+        spec = kvbaton_server(name=setup, port=port, log_path=work / f"serve-{setup}.log", env=thread_env(2),
+                              timeout_s=180, serve_args=["--model", str(model), "--dtype", "bfloat16",
+                                                         "--max-model-len", "512", "--kv-cache-memory-gb", "0.5",
+                                                         *flags])
+        out = work / f"load-{setup}.json"
+        with Server(spec) as server:
+            cmd = [sys.executable, "-m", "kvbaton.bench", "serve", "--base-url", server.base_url, "--dataset",
+                   "random", "--input-len", "32", "--output-len", str(args.serve_output_len), "--num-prompts",
+                   str(args.serve_prompts), "--request-rate", f"{args.serve_rate:g}", "--tokenizer", str(model),
+                   "--ignore-eos", "--seed", str(seed), "--num-warmups", "2", "--result-json", str(out),
+                   "--no-progress"]
+            log(f"{setup}: Poisson {args.serve_rate:g} req/s, {args.serve_prompts} requests")
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.job_timeout_s)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"served {setup}: the load generator failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+        summary = json.loads(out.read_text())["runs"][0]["summary"]
+        runs.append({"setup": setup, "completed": summary["completed"], "planned": summary["num_planned"],
+                     "output_tok_s": summary["output_throughput"],
+                     **{f"{k}_{q}_ms": summary[f"{k}_ms"][q] for k in ("ttft", "tpot") for q in ("p50", "p99")}})
+    return runs
+
+
+def served_table(run: dict) -> list[str]:
+    served = run.get("served") or []
+    if not served:
+        return []
+    base = next((r for r in served if r["setup"] == "colocated"), None)
+    out = ["", f"Served (`kvbaton serve`, the same 2 cores) under Poisson arrivals at {run['serve_rate']:g} req/s, "
+           f"{run['serve_prompts']} requests of 32 prompt and {run['serve_output_len']} output tokens:", "",
+           "| set-up | completed | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+           "TPOT p99 vs colocated |", "|---|---|---|---|---|---|---|---|"]
+    for r in served:
+        out.append(f"| {r['setup']} | {r['completed']}/{r['planned']} | {r['output_tok_s']:.0f} | "
+                   f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['tpot_p50_ms']:.1f} | "
+                   f"{r['tpot_p99_ms']:.1f} | {fmt(ratio(r['tpot_p99_ms'], base and base['tpot_p99_ms']), '.2f')} |")
+    return out
+
+
 # ---- the summary ---------------------------------------------------------------------------------
 
 
@@ -351,7 +401,8 @@ def render(run: dict, rows: dict) -> str:
                      f"{e['round_trip_ms']:.2f} | {e['round_trip_ms'] - e['compute_ms']:.2f} | {fmt(shm, '.2f')} | "
                      f"{fmt(shm - e['compute_ms'] if shm is not None else None, '.2f')} | "
                      f"{e['encode_ms']:.3f} | {e['decode_ms']:.3f} |")
-    return "\n".join(lines + memory_table(run) + model_check(run, rows) + reading(run, rows)) + "\n"
+    return "\n".join(lines + memory_table(run) + served_table(run) + model_check(run, rows) + reading(run, rows)) \
+        + "\n"
 
 
 def memory_table(run: dict) -> list[str]:
@@ -432,6 +483,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--job-timeout-s", type=float, default=600.0)
     ap.add_argument("--out-dir", type=Path, default=RESULTS_DIR)
+    ap.add_argument("--serve-rate", type=float, default=4.0, help="served set-ups: Poisson requests per second")
+    ap.add_argument("--serve-prompts", type=int, default=40)
+    ap.add_argument("--serve-output-len", type=int, default=64)
+    ap.add_argument("--no-serve", action="store_true", help="skip the served set-ups")
     ap.add_argument("--render", type=Path, help="write this results JSON's summary again, measuring nothing")
     args = ap.parse_args()
     if args.run:
@@ -455,10 +510,13 @@ def main() -> None:
             for setup in args.setups.split(","):
                 log(f"{setup}, batch {batch}")
                 jobs.append(launch_job(model, setup, batch, args, seed))
+        served = [] if args.no_serve or args.quick else serve_poisson(model, args, seed, Path(tmp))
     run = {"command": command_line("bench_afd.py", sys.argv[1:]),
            "started": started.strftime("%Y-%m-%d %H:%M UTC"),
            "seed": seed, "environment": to_json(environment()), "decode_tokens": args.decode_tokens,
-           "repeats": args.repeats, "jobs": jobs, "exchange": exchange, "wall_s": time.perf_counter() - t0}
+           "repeats": args.repeats, "jobs": jobs, "exchange": exchange, "served": served,
+           "serve_rate": args.serve_rate, "serve_prompts": args.serve_prompts,
+           "serve_output_len": args.serve_output_len, "wall_s": time.perf_counter() - t0}
     rows = summarize(run)
     costs = fit_costs(rows)  # what `kvbaton plan --afd-profile <this run's JSON>` plans from
     run["afd_profile"] = costs.to_dict() if costs is not None else None
