@@ -7,6 +7,7 @@ others, too small) fail the same way; an attention worker's abandoned slots are 
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import socket
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvbaton.config import AttentionFFNConfig
 from kvbaton.kv.connectors.shm.segments import SHM_DIR, Segment
+from kvbaton.parallel.afd import shared_rows
 from kvbaton.parallel.afd.client import ExpertPoolClient
 from kvbaton.parallel.afd.frames import (
     CombinedRows,
@@ -236,7 +238,11 @@ def test_shared_dispatches_it_must_not_map_fail_that_exchange_only(dealer, serve
             made_segment.unlink()
 
 
-def test_abandoned_slots_are_unlinked_and_the_pool_serves_on(tiny_moe_models):
+def _no_space(name: str, size: int) -> Segment:
+    raise OSError(errno.ENOSPC, f"cannot reserve {size} bytes in {SHM_DIR}")
+
+
+def test_abandoned_slots_are_unlinked_and_the_pool_serves_on(tiny_moe_models, monkeypatch):
     shard = ExpertShard(ShardSpec(tiny_moe_models["qwen3_moe"], rank=0, size=1))
     server = ExpertServer(shard, SECRET, max_rows=MAX_ROWS)
     server.start()
@@ -258,6 +264,13 @@ def test_abandoned_slots_are_unlinked_and_the_pool_serves_on(tiny_moe_models):
         assert not any(os.path.exists(os.path.join(SHM_DIR, name)) for name in in_flight)
         assert torch.equal(client.wait(client.post(layer, x, ids, weights)), first)
         assert server.stats.shared == server.stats.exchanges == 3
+        # /dev/shm full (a container's 64 MiB): an exchange needing a new slot sends its rows in the frame
+        with monkeypatch.context() as patch:
+            patch.setattr(shared_rows.Segment, "create", _no_space)
+            in_slot = client.post(layer, x, ids, weights)  # the free slot
+            in_frame = client.post(layer, x, ids, weights)  # no second slot to be had
+            assert torch.equal(client.wait(in_slot), first) and torch.equal(client.wait(in_frame), first)
+        assert (server.stats.shared, server.stats.exchanges) == (4, 5)
     finally:
         client.close()
         server.close()

@@ -254,7 +254,11 @@ class ExpertPoolClient:
         if slots is None:
             return DispatchRows(ticket, layer, bytes_of(rows), bytes_of(local))
         n = rows.shape[0]
-        slot = slots.take(n)
+        try:
+            slot = slots.take(n)
+        except OSError as exc:  # /dev/shm full (a container's 64 MiB): this exchange's rows go in the frame
+            logger.warning("expert pool: no shared-memory slot for %d rows (%s); sending them in the frame", n, exc)
+            return DispatchRows(ticket, layer, bytes_of(rows), bytes_of(local))
         shared_rows, shared_ids, _ = views(slot.segment, slot.layout, n, self.dtype, self.hidden)
         shared_rows.copy_(rows)
         shared_ids.copy_(local)
