@@ -17,6 +17,7 @@ imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,11 +58,30 @@ class AfdCosts:
     latency_s: float  # one way on the wire, neither side busy
     layers: int  # decoder layers
     moe_layers: int  # of which MoE (the others' FFN runs on the attention side, in `attention`)
+    # attention-side work once per step, whatever m: scheduling, embedding, the head, sampling
+    step: Affine = Affine(0.0)
+    # the expert side's weight reads: per distinct expert a micro-batch's tokens hit (decode is bound by them:
+    # 4 tokens x top-8 of 64 experts hit ~27, 64 tokens all 64), routing taken as uniform
+    per_expert_s: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
+
+    def experts_hit(self, tokens: int) -> float:
+        """Expected distinct experts `tokens` tokens route to (each picks top_k of num_experts, uniformly)."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** tokens)
+
+    def expert_work(self, tokens: int) -> float:
+        """The expert side's busy time for one exchange of `tokens` tokens' rows."""
+        return self.experts(tokens) + self.per_expert_s * self.experts_hit(tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON profile `kvbaton plan --afd-profile` reads (`benchmarks/bench_afd.py` writes one)."""
         return {"attention": vars(self.attention), "post": vars(self.post), "experts": vars(self.experts),
-                "latency_s": self.latency_s, "layers": self.layers, "moe_layers": self.moe_layers}
+                "step": vars(self.step), "latency_s": self.latency_s, "layers": self.layers,
+                "moe_layers": self.moe_layers, "per_expert_s": self.per_expert_s, "num_experts": self.num_experts,
+                "top_k": self.top_k}
 
     @classmethod
     def from_dict(cls, d: Any) -> AfdCosts:
@@ -69,14 +89,19 @@ class AfdCosts:
         try:
             sides = {side: Affine(float(d[side]["fixed_s"]), float(d[side].get("per_token_s", 0.0)))
                      for side in ("attention", "post", "experts")}
+            step = d.get("step", {"fixed_s": 0.0})  # older profiles priced no per-step work
+            sides["step"] = Affine(float(step["fixed_s"]), float(step.get("per_token_s", 0.0)))
             costs = cls(**sides, latency_s=float(d["latency_s"]), layers=int(d["layers"]),
-                        moe_layers=int(d["moe_layers"]))
+                        moe_layers=int(d["moe_layers"]), per_expert_s=float(d.get("per_expert_s", 0.0)),
+                        num_experts=int(d.get("num_experts", 0)), top_k=int(d.get("top_k", 0)))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ConfigError(f"an AFD profile needs attention/post/experts {{fixed_s, per_token_s}}, latency_s, "
                               f"layers and moe_layers: {type(exc).__name__} {exc}") from None
-        prices = [costs.latency_s] + [x for a in sides.values() for x in (a.fixed_s, a.per_token_s)]
+        prices = [costs.latency_s, costs.per_expert_s] + [x for a in sides.values() for x in (a.fixed_s, a.per_token_s)]
         if not all(math.isfinite(x) and x >= 0 for x in prices) or not 0 < costs.moe_layers <= costs.layers:
             raise ConfigError("an AFD profile's prices must be finite and >= 0, with 0 < moe_layers <= layers")
+        if costs.per_expert_s and not 0 < costs.top_k <= costs.num_experts:
+            raise ConfigError("an AFD profile pricing experts hit needs 0 < top_k <= num_experts")
         return costs
 
 
@@ -107,8 +132,8 @@ def afd_step(costs: AfdCosts, tokens: int, micro_batches: int) -> AfdStep:
     expert pool that serves it alone (an expert worker shared by R attention workers: `expert_share`)."""
     sizes = split_tokens(tokens, micro_batches)
     moe = _moe_layers(costs)
-    attention_free = expert_free = 0.0
-    attention_busy = expert_busy = 0.0
+    attention_free = attention_busy = costs.step(tokens)  # the step's own work, before its layers
+    expert_free = expert_busy = 0.0
     ready = [0.0] * len(sizes)  # when each micro-batch may go on with its next layer
     for layer in range(costs.layers):
         for j, size in enumerate(sizes):
@@ -120,8 +145,9 @@ def afd_step(costs: AfdCosts, tokens: int, micro_batches: int) -> AfdStep:
                 ready[j] = attention_free
                 continue
             expert_start = max(expert_free, attention_free + costs.latency_s)
-            expert_free = expert_start + costs.experts(size)
-            expert_busy += costs.experts(size)
+            work = costs.expert_work(size)
+            expert_free = expert_start + work
+            expert_busy += work
             ready[j] = expert_free + costs.latency_s
     return AfdStep(max(max(ready), attention_free), attention_busy, expert_busy)
 
@@ -139,10 +165,10 @@ def with_ratio(costs: AfdCosts, attention_workers: int, expert_workers: int) -> 
     if attention_workers < 1 or expert_workers < 1:
         raise ValueError("need at least one attention and one expert worker")
     e = costs.experts
-    return AfdCosts(attention=costs.attention, post=costs.post, latency_s=costs.latency_s, layers=costs.layers,
-                    moe_layers=costs.moe_layers,
-                    experts=Affine(e.fixed_s * attention_workers,
-                                   e.per_token_s * attention_workers / expert_workers))
+    # NOTE: each attention worker's exchange reads the weights of the experts it hits on the workers holding them
+    return dataclasses.replace(costs, experts=Affine(e.fixed_s * attention_workers,
+                                                     e.per_token_s * attention_workers / expert_workers),
+                               per_expert_s=costs.per_expert_s * attention_workers / expert_workers)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ short of workers."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvbaton.sim.afd import AfdCosts, Affine, afd_step, best_micro_batches, plan_afd, split_tokens, with_ratio
@@ -55,3 +57,27 @@ def test_splits_match_the_engine_and_the_plan_gives_experts_to_the_busier_side()
     best = plan_afd(heavy_experts, 32, 4)[0]
     assert (best.attention_workers, best.expert_workers) == (1, 3)
     assert with_ratio(heavy_experts, 2, 1).experts.per_token_s == pytest.approx(2e-3)
+
+
+def test_a_step_s_own_work_is_paid_once_whatever_m():
+    base = costs(post=Affine(1e-4), latency_s=2e-4)
+    with_head = dataclasses.replace(base, step=Affine(0.003, 1e-5))
+    for m in (1, 2, 4):
+        extra = afd_step(with_head, 32, m).seconds - afd_step(base, 32, m).seconds
+        assert extra == pytest.approx(0.003 + 32e-5)
+    assert AfdCosts.from_dict(with_head.to_dict()) == with_head
+    old = {k: v for k, v in base.to_dict().items() if k != "step"}  # a profile from before the step term
+    assert AfdCosts.from_dict(old) == base
+
+
+def test_the_expert_side_prices_the_experts_a_micro_batch_hits():
+    c = dataclasses.replace(costs(experts=FREE), per_expert_s=1e-3, num_experts=64, top_k=8)
+    assert c.experts_hit(1) == pytest.approx(8)
+    assert c.experts_hit(4) == pytest.approx(64 * (1 - (56 / 64) ** 4))  # ~27: fewer than 4 x 8 (overlaps)
+    assert c.experts_hit(512) == pytest.approx(64)
+    # weight reads make small micro-batches dear: 4 micro-batches of 4 tokens read ~108 experts, 1 of 16 ~57
+    assert afd_step(c, 16, 4).expert_busy_s > 1.8 * afd_step(c, 16, 1).expert_busy_s
+    assert best_micro_batches(c, 16) == 1
+    assert AfdCosts.from_dict(c.to_dict()) == c
+    shared = with_ratio(c, 2, 1)  # two attention workers' exchanges each read the experts they hit
+    assert shared.per_expert_s == pytest.approx(2e-3)
