@@ -485,6 +485,14 @@ def reading(run: dict, rows: dict) -> list[str]:
                      f"layer and its exchange costs T_c = {tc:.2f} ms more, so T_c {'<' if tc < tf else '>='} T_f and "
                      f"the rule asks for m >= {2 * (1 + tc / tf):.1f}")
         out.append(line + ".")
+    pairs = [(b, rows[(f"afd-m{m}", b)]["tok_s"] / rows[(f"afd-m{m}-frames", b)]["tok_s"], m)
+             for (setup, b) in rows for m in (1, 2) if setup == f"afd-m{m}"
+             and rows.get((f"afd-m{m}-frames", b), {}).get("tok_s") and rows[(setup, b)].get("tok_s")]
+    if pairs:
+        out.append("- per step, the shared-memory transport against rows in frames: " + ", ".join(
+            f"{r:.2f}x at m = {m}, batch {b}" for b, r, m in sorted(pairs)) + " (the experts' computation "
+            "dominates a step, so the exchange's saving is a few per cent of it, within this machine's run-to-run "
+            "noise at the smaller batches).")
     ex = run["exchange"]
     if ex:
         small, large = ex[0], ex[-1]
