@@ -213,7 +213,7 @@ class ExpertServer:
         try:
             if isinstance(msg, DispatchShared):
                 rows, ids, outputs = self._check_shared(msg)
-                outputs.copy_(shard.compute(msg.layer, rows, ids.to(torch.int64)))
+                outputs.copy_(shard.compute(msg.layer, rows, ids))
                 self.stats.exchanges += 1
                 self.stats.rows += msg.rows
                 return CombinedShared(msg.ticket)
@@ -261,9 +261,10 @@ class ExpertServer:
         except (OSError, ValueError) as exc:
             raise BadExchange(f"cannot map shared slot {msg.segment[:80]!r}: {exc}") from exc
         if segment.size < layout.size:
-            raise BadExchange(f"shared slot {msg.segment!r} holds {segment.size} bytes, a slot of {msg.capacity} "
-                              f"rows needs {layout.size}")
+            raise BadExchange(f"shared slot {msg.segment[:80]!r} holds {segment.size} bytes, a slot of "
+                              f"{msg.capacity} rows needs {layout.size}")
         rows, ids, outputs = views(segment, layout, msg.rows, self.shard.spec.dtype, self.shard.hidden)
+        ids = ids.to(torch.int64)  # a copy, checked: what the kernel indexes with cannot change under it
         self._check_slot_ids(ids)
         return rows, ids, outputs
 
