@@ -15,6 +15,7 @@ it over a Unix socket of this user's (`local_channel.py`), which the same thread
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -166,12 +167,12 @@ class ExpertServer:
             return
         reply = self._answer(msg)
         out = local.replies.encode(reply)
+        self._account(msg, reply, len(frame), len(out), began)  # before the answer: its reader sees the counts
         try:
             conn.send(out)
         except OSError:  # its buffer is full (it does not read) or it is gone
             poller.unregister(conn)
             local.drop(conn)
-        self._account(msg, reply, len(frame), len(out), began)
 
     def _serve_one(self, parts: list[bytes]) -> None:
         if len(parts) != 2:  # [peer identity, frame]: anything else is not a DEALER of ours
@@ -187,18 +188,24 @@ class ExpertServer:
             return
         reply = self._answer(msg)
         out = self._replies.encode(reply)
+        self._account(msg, reply, len(frame), len(out), began)  # before the answer: its reader sees the counts
         self._socket.send_multipart([identity, out], copy=False)
-        self._account(msg, reply, len(frame), len(out), began)
 
     def _account(self, msg: ToExpert, reply: FromExpert, frame_bytes: int, reply_bytes: int, began: float) -> None:
-        self.stats.busy_s += time.perf_counter() - began
-        self.stats.bytes_in += frame_bytes
-        self.stats.bytes_out += reply_bytes
-        if isinstance(reply, CombinedShared):
-            assert isinstance(msg, DispatchShared)
-            self.stats.shared += 1
-            self.stats.bytes_in += msg.rows * (self._row_bytes + 4)
-            self.stats.bytes_out += msg.rows * self._row_bytes
+        """Count an answered frame. NOTE: a new stats object, swapped in whole: a reader on another thread (the
+        worker's heartbeat) sees every counter of one moment, never an exchange counted but not its rows."""
+        s = self.stats
+        answered, shared = isinstance(reply, CombinedRows | CombinedShared), isinstance(reply, CombinedShared)
+        rows = 0
+        if answered and isinstance(msg, DispatchShared):
+            rows = msg.rows
+        elif answered and isinstance(msg, DispatchRows):
+            rows = len(msg.slots) // 4
+        payload_in, payload_out = (rows * (self._row_bytes + 4), rows * self._row_bytes) if shared else (0, 0)
+        self.stats = dataclasses.replace(
+            s, exchanges=s.exchanges + answered, rows=s.rows + rows, busy_s=s.busy_s + time.perf_counter() - began,
+            shared=s.shared + shared, bytes_in=s.bytes_in + frame_bytes + payload_in,
+            bytes_out=s.bytes_out + reply_bytes + payload_out)
 
     def _answer(self, msg: ToExpert) -> FromExpert:
         shard = self.shard
@@ -214,8 +221,6 @@ class ExpertServer:
             if isinstance(msg, DispatchShared):
                 rows, ids, outputs = self._check_shared(msg)
                 outputs.copy_(shard.compute(msg.layer, rows, ids))
-                self.stats.exchanges += 1
-                self.stats.rows += msg.rows
                 return CombinedShared(msg.ticket)
             rows, slots = self._check(msg)
             out = shard.compute(msg.layer, rows, slots)
@@ -224,8 +229,6 @@ class ExpertServer:
         except Exception as exc:  # a kernel's refusal: that step fails, the worker serves on
             logger.exception("expert exchange %d of layer %d failed", msg.ticket, msg.layer)
             return ExchangeFailed(msg.ticket, f"expert worker {shard.spec.rank}: {exc}")
-        self.stats.exchanges += 1
-        self.stats.rows += rows.shape[0]
         return CombinedRows(msg.ticket, bytes_of(out))
 
     def _check_layer(self, layer: int) -> None:
