@@ -233,6 +233,8 @@ class ExpertPoolClient:
         if sock is None and self._local_names[worker] and time.monotonic() >= self._local_retry[worker]:
             sock = self._local[worker] = connect_local(self._local_names[worker], self.config.timeout_s)
             self._local_retry[worker] = time.monotonic() + LOCAL_RETRY_S
+            if sock is not None:  # it listens again (it had only dropped this connection, or was replaced)
+                self._down.discard(worker)
         return sock
 
     def _local_down(self, worker: int) -> None:
