@@ -425,7 +425,7 @@ class EngineCore:
 
     def _afd_step(self, sched: SchedulerOutput, executed_s: float, waited_s: float) -> dict[str, Any]:
         """An AFD step as the step trace shows it: its micro-batches (a step with a prompt chunk, or a burst, runs
-        whole), its wait for the expert pool and the share of the step that is (the attention side's bubble)."""
+        whole), its wait for the expert pool, and that wait's share of the step (the attention side's bubble)."""
         decode_only = sched.decode_steps == 1 and sched.num_scheduled_tokens == len(sched.scheduled)
         m = min(self.runner.model.micro_batches, len(sched.scheduled)) if decode_only else 1
         return {"micro_batches": m, "wait_s": round(waited_s, 6),
