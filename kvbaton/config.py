@@ -409,6 +409,7 @@ class AttentionFFNConfig:
     micro_batches: int = 1  # 0: auto, chosen per step from measured step times (`engine/micro_batches.py`)
     timeout_s: float = 30.0  # an expert worker silent for this long fails the step (it died)
     shared_memory: bool = True  # same-host expert workers: rows through owner-only shm slots, not in frames
+    encrypt: bool = False  # the exchange sockets CURVE-encrypted (--encrypt-traffic), keys from the cluster secret
 
     def __post_init__(self) -> None:
         if not self.experts:

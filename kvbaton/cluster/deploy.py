@@ -76,9 +76,6 @@ class DeploymentSpec:
         if self.pool.expert_workers and self.backend == Backend.RAY:
             raise ConfigError("--expert-workers runs on local processes only so far: the Ray backend does not place "
                               "an expert pool yet")
-        if self.pool.expert_workers and self.encrypt_traffic:
-            raise ConfigError("--expert-workers' exchanges are signed, not encrypted: it cannot be combined with "
-                              "--encrypt-traffic yet")
         if self.encrypt_traffic:
             try:
                 require_curve()

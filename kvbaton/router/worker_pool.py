@@ -272,7 +272,7 @@ class WorkerPool:
         if role.decodes and self._expert_exchanges:  # an attention worker of the expert pool
             engine = dataclasses.replace(engine, attention_ffn=AttentionFFNConfig(
                 experts=self._expert_exchanges, index=self._next_index[role],
-                micro_batches=self.config.afd_micro_batches))
+                micro_batches=self.config.afd_micro_batches, encrypt=self.encrypt_traffic))
         size = self.config.ep_size(role)
         if size == 1:
             return [self._spec(role, engine)]

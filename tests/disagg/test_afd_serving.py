@@ -1,7 +1,8 @@
 """Attention/FFN disaggregation served behind the router (real processes, tiny Qwen3-MoE, fp32): expert workers
 hold the routed experts, the decode (colocated) workers are attention workers dispatching to them, and the
 output is transformers' greedy output, for 2 attention workers over 1 expert worker (m = 2) and for a PD
-prefill worker in front of 1 attention worker over 2 expert workers (m = 3). `/workers` shows both roles and
+prefill worker in front of 1 attention worker over 2 expert workers (m = 3, --encrypt-traffic: the exchange
+sockets CURVE too). `/workers` shows both roles and
 which experts each expert worker owns; every socket listens on loopback; every pool passes its integrity check."""
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ def references(moe_model):
     return prompts, hf_greedy(moe_model, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize(("prefill", "attention", "experts", "micro_batches"), [(0, 2, 1, 2), (1, 1, 2, 3)],
-                         ids=["2:1-m2", "pd-1:2-m3"])
-def test_served_afd_matches_transformers(moe_model, references, prefill, attention, experts, micro_batches):
+@pytest.mark.parametrize(("prefill", "attention", "experts", "micro_batches", "encrypt"),
+                         [(0, 2, 1, 2, False), (1, 1, 2, 3, True)], ids=["2:1-m2", "pd-1:2-m3-encrypted"])
+def test_served_afd_matches_transformers(moe_model, references, prefill, attention, experts, micro_batches, encrypt):
     prompts, refs = references
 
     async def scenario():
         async with router_over(moe_model, prefill=prefill, decode=attention, expert_workers=experts,
-                               afd_micro_batches=micro_batches, local_prefill_threshold=0) as router:
+                               afd_micro_batches=micro_batches, local_prefill_threshold=0,
+                               encrypt_traffic=encrypt) as router:
             outs = await asyncio.gather(*(collect(router, f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
             # every expert worker computed rows for the attention workers (its heartbeat carries the count)
             await async_wait_until(lambda: all(w["experts"].get("rows", 0) > 0 for w in router.workers_view()

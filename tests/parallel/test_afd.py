@@ -17,6 +17,7 @@ import pytest
 
 from kvbaton import LLM
 from kvbaton.config import AttentionFFNConfig, ModelConfig
+from kvbaton.parallel.afd.client import ExpertPoolError
 from kvbaton.wire import SECRET_ENV
 from tests.support.helpers import TINY_VOCAB, build_deepseek_checkpoint, greedy
 from tests.support.wait import wait_until
@@ -34,13 +35,14 @@ def _prompts(count: int, seed: int = 11) -> list[list[int]]:
 
 @contextmanager
 def expert_pool(model: Path, size: int, monkeypatch: pytest.MonkeyPatch, redundant: int = 0,
-                procs: list[subprocess.Popen] | None = None) -> Iterator[list[str]]:
+                procs: list[subprocess.Popen] | None = None, encrypt: bool = False) -> Iterator[list[str]]:
     """`size` expert worker processes over `model` (into `procs`); their exchange addresses; stopped (by PID)
     at the end."""
     monkeypatch.setenv(SECRET_ENV, SECRET)
     procs = procs if procs is not None else []
     procs += [subprocess.Popen([sys.executable, "-m", "kvbaton.parallel.afd.standalone",
-                                json.dumps({"model": str(model), "rank": r, "size": size, "redundant": redundant})],
+                                json.dumps({"model": str(model), "rank": r, "size": size, "redundant": redundant,
+                                            "encrypt": encrypt})],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for r in range(size)]
     try:
@@ -71,9 +73,9 @@ def colocated(afd_models):
 
 
 def _attention(model: Path, experts: list[str], index: int = 0, micro_batches: int = 1,
-               shared_memory: bool = True, **engine) -> LLM:
-    afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=30,
-                             shared_memory=shared_memory)
+               shared_memory: bool = True, encrypt: bool = False, timeout_s: float = 30, **engine) -> LLM:
+    afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=timeout_s,
+                             shared_memory=shared_memory, encrypt=encrypt)
     return LLM(str(model), dtype="float32", num_threads=1, block_size=4, attention_ffn=afd, **engine)
 
 
@@ -85,9 +87,13 @@ def _with_micro_batches(llm: LLM, m: int) -> LLM:
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_afd_matches_colocated_for_every_micro_batch_count(arch, afd_models, colocated, monkeypatch):
     prompts, refs = colocated
-    shared = arch != "mixtral"  # mixtral's rows go in the signed frames (the cross-host path), the others' in shm
-    with expert_pool(afd_models[arch], 2, monkeypatch) as experts:
-        llm = _attention(afd_models[arch], experts, shared_memory=shared)
+    # mixtral's rows go in signed frames on CURVE-encrypted sockets (the cross-host path), the others' in shm
+    shared = arch != "mixtral"
+    with expert_pool(afd_models[arch], 2, monkeypatch, encrypt=not shared) as experts:
+        if not shared:  # a plain client cannot even say hello to an encrypted expert worker
+            with pytest.raises(ExpertPoolError, match="did not answer"):
+                _attention(afd_models[arch], experts, shared_memory=False, timeout_s=1)
+        llm = _attention(afd_models[arch], experts, shared_memory=shared, encrypt=not shared)
         for m in (1, 2, 3, 4):
             assert greedy(_with_micro_batches(llm, m), MAX_NEW, prompts) == refs[arch], f"m={m}"
         pool = llm.engine.core.expert_pool

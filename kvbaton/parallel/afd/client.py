@@ -49,7 +49,7 @@ from kvbaton.parallel.afd.frames import (
 from kvbaton.parallel.afd.local_channel import MAX_LOCAL_FRAME_BYTES, connect_local
 from kvbaton.parallel.afd.server import DEFAULT_MAX_ROWS, bytes_of, rows_of
 from kvbaton.parallel.afd.shared_rows import Slot, SlotPool, probe_matches, views
-from kvbaton.wire import ChannelError, Codec, SignedCodec
+from kvbaton.wire import ChannelError, Codec, SignedCodec, curve_client, curve_keys
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +96,12 @@ class ExpertPoolClient:
         self._ctx = zmq.Context()
         self._sockets: list[zmq.Socket] = []
         self._monitors: list[zmq.Socket] = []  # each socket's disconnections
+        curve = curve_keys(secret, config.encrypt)
         for address in config.experts:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.MAXMSGSIZE, limit)
             dealer.setsockopt(zmq.LINGER, 0)
+            curve_client(dealer, curve)
             self._sockets.append(dealer)
             self._monitors.append(dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED | UP_EVENT))
             dealer.connect(address)

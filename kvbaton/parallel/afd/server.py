@@ -42,7 +42,7 @@ from kvbaton.parallel.afd.frames import (
 from kvbaton.parallel.afd.local_channel import LocalListener, local_name
 from kvbaton.parallel.afd.shard import ExpertShard
 from kvbaton.parallel.afd.shared_rows import AttachedSegments, Probe, SlotLayout, shared_memory_usable, views
-from kvbaton.wire import ChannelError, SignedCodec
+from kvbaton.wire import ChannelError, SignedCodec, curve_keys, curve_server
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def bytes_of(rows: torch.Tensor) -> bytes:
 
 class ExpertServer:
     def __init__(self, shard: ExpertShard, secret: bytes, host: str = "127.0.0.1", port: int = 0,
-                 max_rows: int = DEFAULT_MAX_ROWS, shared_memory: bool = True) -> None:
+                 max_rows: int = DEFAULT_MAX_ROWS, shared_memory: bool = True, encrypt: bool = False) -> None:
         self.shard = shard
         self.max_rows = max_rows
         self._row_bytes = shard.hidden * WIRE_DTYPES[shard.dtype_name]
@@ -93,6 +93,7 @@ class ExpertServer:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.MAXMSGSIZE, limit)
         self._socket.setsockopt(zmq.LINGER, 0)
+        curve_server(self._socket, curve_keys(secret, encrypt))  # rows in frames (other hosts) travel encrypted
         if port:  # the pool's choice: a replacement listens where the attention workers already connect
             self._socket.bind(f"tcp://{host}:{port}")
         else:

@@ -5,7 +5,8 @@
 loads its shard, prints its exchange address (a JSON line), serves until its stdin closes, then prints its
 statistics (a JSON line) and exits. A deployment's expert workers (`kvbaton serve --expert-workers`, the role in
 `worker/roles/expert.py`) run the same shard and server under the router. JOB keys: model, rank, size, and
-optionally dtype (float32 | bfloat16), host (127.0.0.1), threads (1), redundant (0: the pool's redundant slots)."""
+optionally dtype (float32 | bfloat16), host (127.0.0.1), threads (1), redundant (0: the pool's redundant slots),
+encrypt (false: CURVE on its exchange socket, keys from the secret)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def main() -> None:
     shard = ExpertShard(ShardSpec(Path(job["model"]), job["rank"], job["size"],
                                   {"float32": torch.float32, "bfloat16": torch.bfloat16}[job.get("dtype", "float32")],
                                   redundant=job.get("redundant", 0)))
-    server = ExpertServer(shard, secret.encode(), host=job.get("host", "127.0.0.1"))
+    server = ExpertServer(shard, secret.encode(), host=job.get("host", "127.0.0.1"), encrypt=job.get("encrypt", False))
     server.start()
     print(json.dumps({"address": server.address}), flush=True)
     sys.stdin.read()  # until the caller closes it

@@ -44,7 +44,7 @@ class ExpertRole(Role):
                                            compute_path=engine.compute_path, deterministic=engine.deterministic,
                                            redundant=slot.redundant))
         startup.lap("experts")
-        self.server = ExpertServer(self.shard, secret, host=spec.host, port=slot.port)
+        self.server = ExpertServer(self.shard, secret, host=spec.host, port=slot.port, encrypt=spec.encrypt_traffic)
         self.server.start()
         self.startup = startup
 
