@@ -333,7 +333,8 @@ class EngineCore:
                 self.expert_pool.stats.step_s += executed_s
                 if chosen is not None and self.micro_batch_chooser is not None:
                     self.micro_batch_chooser.record(len(sched.scheduled), chosen, executed_s)
-                afd_step = self._afd_step(sched, executed_s, self.expert_pool.stats.wait_s - waited_before)
+                if self.step_trace is not None:
+                    afd_step = self._afd_step(sched, executed_s, self.expert_pool.stats.wait_s - waited_before)
             if self.expert_stats is not None and not sched.is_empty:
                 self.expert_stats.record_step(sched.decode_steps)
             outputs = self.scheduler.update_from_output(sched, model_output)

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvbaton.config import ConfigError
-from kvbaton.sim.afd import AfdCosts, AfdPlan, afd_step, plan_afd, with_ratio
+from kvbaton.sim.afd import AfdCosts, AfdPlan, plan_afd
 
 
 def load_profile(path: str | Path) -> AfdCosts:
@@ -60,13 +60,7 @@ def plan(costs: AfdCosts, workers: int, tokens: int, candidates: tuple[int, ...]
         raise ConfigError("--afd-workers: an AFD deployment needs at least 2 workers (an attention and an expert one)")
     if tokens < 1 or not candidates or min(candidates) < 1:
         raise ConfigError("--afd-batch and --afd-micro-batches must be at least 1")
-    per_m = {}
-    for m in candidates:
-        at_m = []
-        for n in range(1, workers):
-            step = afd_step(with_ratio(costs, n, workers - n), tokens, m)
-            at_m.append(AfdPlan(n, workers - n, m, step, n * tokens / step.seconds))
-        per_m[m] = max(at_m, key=lambda p: p.tokens_per_s)
+    per_m = {m: plan_afd(costs, tokens, workers, (m,))[0] for m in candidates}
     return AfdReport(workers, tokens, plan_afd(costs, tokens, workers, candidates), per_m)
 
 

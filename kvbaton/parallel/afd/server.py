@@ -42,7 +42,7 @@ from kvbaton.parallel.afd.frames import (
 from kvbaton.parallel.afd.local_channel import LocalListener, local_name
 from kvbaton.parallel.afd.shard import ExpertShard
 from kvbaton.parallel.afd.shared_rows import AttachedSegments, Probe, SlotLayout, shared_memory_usable, views
-from kvbaton.wire import ChannelError, SignedCodec, curve_keys, curve_server
+from kvbaton.wire import ChannelError, Codec, SignedCodec, curve_keys, curve_server
 
 logger = logging.getLogger(__name__)
 
@@ -152,28 +152,26 @@ class ExpertServer:
         except OSError:
             frame = b""
         if not frame:
-            poller.unregister(conn)
-            local.drop(conn)
+            self._hang_up(local, conn, poller)
             return
         began = time.perf_counter()
         try:
             msg = local.requests.decode(frame)
         except ChannelError as exc:
-            msg, reason = None, str(exc)
-        else:
-            reason = "only shared-memory dispatches go over the same-host socket"
-        if not isinstance(msg, DispatchShared):
-            self.stats.refused_frames += 1
-            logger.warning("expert exchange: refused a same-host frame (%d bytes): %s", len(frame), reason)
+            self._refuse(len(frame), "same-host ", exc)
             return
-        reply = self._answer(msg)
-        out = local.replies.encode(reply)
-        self._account(msg, reply, len(frame), len(out), began)  # before the answer: its reader sees the counts
+        if not isinstance(msg, DispatchShared):
+            self._refuse(len(frame), "same-host ", "only shared-memory dispatches go over the same-host socket")
+            return
         try:
-            conn.send(out)
+            conn.send(self._reply(msg, local.replies, len(frame), began))
         except OSError:  # its buffer is full (it does not read) or it is gone
-            poller.unregister(conn)
-            local.drop(conn)
+            self._hang_up(local, conn, poller)
+
+    @staticmethod
+    def _hang_up(local: LocalListener, conn: socket.socket, poller: zmq.Poller) -> None:
+        poller.unregister(conn)
+        local.drop(conn)
 
     def _serve_one(self, parts: list[bytes]) -> None:
         if len(parts) != 2:  # [peer identity, frame]: anything else is not a DEALER of ours
@@ -184,13 +182,21 @@ class ExpertServer:
         try:
             msg = self._codec.decode(frame)
         except ChannelError as exc:
-            self.stats.refused_frames += 1
-            logger.warning("expert exchange: refused a frame (%d bytes): %s", len(frame), exc)
+            self._refuse(len(frame), "", exc)
             return
+        self._socket.send_multipart([identity, self._reply(msg, self._replies, len(frame), began)], copy=False)
+
+    def _refuse(self, frame_bytes: int, where: str, why: object) -> None:
+        """A frame dropped unanswered: counted and logged, its sender told nothing."""
+        self.stats.refused_frames += 1
+        logger.warning("expert exchange: refused a %sframe (%d bytes): %s", where, frame_bytes, why)
+
+    def _reply(self, msg: ToExpert, codec: Codec | SignedCodec, frame_bytes: int, began: float) -> bytes:
+        """The encoded answer to `msg`, counted before it goes out (its reader then sees the counts)."""
         reply = self._answer(msg)
-        out = self._replies.encode(reply)
-        self._account(msg, reply, len(frame), len(out), began)  # before the answer: its reader sees the counts
-        self._socket.send_multipart([identity, out], copy=False)
+        out = codec.encode(reply)
+        self._account(msg, reply, frame_bytes, len(out), began)
+        return out
 
     def _account(self, msg: ToExpert, reply: FromExpert, frame_bytes: int, reply_bytes: int, began: float) -> None:
         """Count an answered frame. NOTE: a new stats object, swapped in whole: a reader on another thread (the

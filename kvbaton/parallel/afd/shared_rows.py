@@ -19,7 +19,6 @@ that reads the token back uses shared memory with it."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import secrets
 from collections import OrderedDict
@@ -27,17 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbaton.kv.connectors.shm.segments import SHM_DIR, Segment
+from kvbaton.kv.connectors.shm.segments import SHM_DIR, Segment, segment_name
 
 PREFIX = "kvb-afd-"  # every exchange segment's name starts so; an expert worker maps no other
 ALIGN = 64
 MIN_CAPACITY = 64  # rows: a slot grows by powers of two from here
 FREE_SLOTS_KEPT = 4  # per expert worker: more free slots than this are retired
-_counter = itertools.count()
 
 
 def new_name(kind: str) -> str:
-    return f"{PREFIX}{kind}-{os.getpid()}-{next(_counter)}-{secrets.token_hex(4)}"
+    """kvb-afd-<kind>-<pid>-<n>: unique per process and use (the shm transport's naming)."""
+    return segment_name(f"afd-{kind}", "")
 
 
 def shared_memory_usable() -> bool:
