@@ -211,7 +211,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "attention workers use while an expert worker is down")
     pd.add_argument("--eplb-interval", type=int, default=0, metavar="STEPS",
                     help="EPLB: re-place each group's experts from the measured load every STEPS busy steps "
-                         "(weights copied in the background, swapped between steps; 0: never)")
+                         "(weights copied in the background, swapped between steps; 0: never); with "
+                         "--expert-workers, the expert pool's, planned by attention worker 0")
     pd.add_argument("--eplb-objective", default="tokens", choices=["tokens", "active_experts"],
                     help="EPLB balances tokens per rank, or the experts each rank must read per step (decode)")
     afd = serve.add_argument_group("attention/FFN disaggregation (MoE models: experts in a pool of their own)")

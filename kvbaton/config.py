@@ -410,8 +410,14 @@ class AttentionFFNConfig:
     timeout_s: float = 30.0  # an expert worker silent for this long fails the step (it died)
     shared_memory: bool = True  # same-host expert workers: rows through owner-only shm slots, not in frames
     encrypt: bool = False  # the exchange sockets CURVE-encrypted (--encrypt-traffic), keys from the cluster secret
+    # EPLB in the expert pool (attention worker 0 plans): re-place the experts every this many busy steps (0: never)
+    rebalance_interval_steps: int = 0
+    balance_objective: str = "tokens"  # as ExpertParallelConfig's
 
     def __post_init__(self) -> None:
+        if self.rebalance_interval_steps < 0 or self.balance_objective not in ("tokens", "active_experts"):
+            raise ConfigError("the expert pool's rebalance interval must be >= 0 and its objective tokens or "
+                              "active_experts")
         if not self.experts:
             raise ConfigError("attention/FFN disaggregation needs at least one expert worker")
         if self.micro_batches < 0:

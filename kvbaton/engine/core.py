@@ -232,7 +232,8 @@ class EngineCore:
         moe = layers[0].block.moe
         pool = ExpertPoolClient(afd, secret.encode(), f"attention-{afd.index}", self.model_config.hidden_size,
                                 self.dtype, moe.num_experts, [layer.index for layer in layers],
-                                max_rows=self.config.scheduler.max_num_batched_tokens * moe.top_k)
+                                max_rows=self.config.scheduler.max_num_batched_tokens * moe.top_k,
+                                num_groups=moe.num_groups)
         for layer in layers:
             layer.block.use_remote_experts(pool.dispatcher(layer.index))
         model.micro_batches = afd.micro_batches or 1  # type: ignore[assignment]
@@ -326,7 +327,10 @@ class EngineCore:
         afd_step: dict[str, Any] | None = None
         try:
             start = time.perf_counter()
-            waited_before = self.expert_pool.stats.wait_s if self.expert_pool is not None else 0.0
+            waited_before = 0.0
+            if self.expert_pool is not None:
+                self.expert_pool.between_steps(busy=not sched.is_empty)  # placements: switch, tell, plan (EPLB)
+                waited_before = self.expert_pool.stats.wait_s
             model_output = self.runner.execute(sched)
             if self.expert_pool is not None:
                 executed_s = time.perf_counter() - start

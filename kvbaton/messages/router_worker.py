@@ -132,6 +132,8 @@ class ExchangeLoad(msgspec.Struct, frozen=True, kw_only=True):
     alive_s: float
     refused_frames: int
     shared: int = 0  # exchanges whose rows came through same-host shared memory
+    epoch: int = 0  # the newest expert placement it holds (EPLB moves experts: each placement is an epoch)
+    owns: dict[int, list[int]] = msgspec.field(default_factory=dict)  # per MoE layer, its slots' experts at `epoch`
 
     @property
     def idle_fraction(self) -> float:

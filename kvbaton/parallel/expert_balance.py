@@ -11,6 +11,7 @@ background, and swap every layer's placement between two steps, on every rank in
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -18,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from kvbaton.config import ExpertParallelConfig, MoEConfig
-from kvbaton.layers.moe.dispatch import AllToAllDispatch, ExpertMap, stacked_experts
+from kvbaton.layers.moe.dispatch import AllToAllDispatch, ExpertMap, restacked
 from kvbaton.layers.moe.eplb import ExpertPlacement, Objective, rebalance, rebalance_layer
+from kvbaton.layers.moe.experts import GroupedExperts
 from kvbaton.layers.moe.load_stats import ExpertLoadWindow
 from kvbaton.parallel.expert_stats import MoELayer
 
@@ -38,7 +40,7 @@ class ExpertRebalancer:
         first = rebalance_layer(uniform, **self._shape())
         self.placements: list[ExpertPlacement] = [first] * len(layers)
         self._planned: list[ExpertPlacement] | None = None
-        self._weights: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._weights: list[GroupedExperts] = []
         self._loader: threading.Thread | None = None
         self._error: BaseException | None = None
         self.rebalances = 0
@@ -81,12 +83,10 @@ class ExpertRebalancer:
     def apply(self) -> None:
         """Swap every layer to the planned placement (every rank in the same step, before its forward)."""
         assert self._planned is not None and self.weights_ready()
-        for layer, placement, (gate_up, down) in zip(self.layers, self._planned, self._weights):
+        for layer, placement, experts in zip(self.layers, self._planned, self._weights):
             dispatcher = layer.block.dispatcher
             assert isinstance(dispatcher, AllToAllDispatch)
             expert_map = ExpertMap(placement.physical_to_logical, self.config.size)
-            experts = stacked_experts(gate_up, down)
-            experts.kernel = layer.block.experts.kernel  # the new stacks are in its layout already
             layer.block.experts = experts
             dispatcher.swap(experts, expert_map)
         self.placements, self._planned, self._weights, self._loader = self._planned, None, [], None
@@ -94,33 +94,17 @@ class ExpertRebalancer:
 
     def _load_weights(self, planned: list[ExpertPlacement]) -> None:
         try:
-            self._weights = [self._layer_weights(layer, old, new) for layer, old, new
+            self._weights = [self._layer_experts(layer, old, new) for layer, old, new
                              in zip(self.layers, self.placements, planned)]
         except BaseException as exc:  # noqa: BLE001 - surfaced by weights_ready on the engine's thread
             self._error = exc
 
-    def _layer_weights(self, layer: MoELayer, old: ExpertPlacement, new: ExpertPlacement,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer_experts(self, layer: MoELayer, old: ExpertPlacement, new: ExpertPlacement) -> GroupedExperts:
         per = new.slots_per_rank
-        held = old.physical_to_logical[self.rank * per:(self.rank + 1) * per]
-        wanted = list(new.physical_to_logical[self.rank * per:(self.rank + 1) * per])
-        current = layer.block.experts
-        gate_up = torch.empty((len(wanted), *current.gate_up_proj.shape[1:]), dtype=current.gate_up_proj.dtype)
-        down = torch.empty((len(wanted), *current.down_proj.shape[1:]), dtype=current.down_proj.dtype)
-        moved = [i for i, e in enumerate(wanted) if e not in held]
-        for i, expert in enumerate(wanted):
-            if i not in moved:
-                source = held.index(expert)
-                gate_up[i].copy_(current.gate_up_proj[source])
-                down[i].copy_(current.down_proj[source])
-        if moved:
-            read_up, read_down = self._read(layer.index, [wanted[i] for i in moved])
-            if current.kernel is not None:  # the kept slots are in the kernel's layout (packed per expert)
-                current.kernel.pack_(read_up, read_down)
-            for j, i in enumerate(moved):
-                gate_up[i].copy_(read_up[j])
-                down[i].copy_(read_down[j])
-        return gate_up, down
+        mine = slice(self.rank * per, (self.rank + 1) * per)
+        return restacked(layer.block.experts, old.physical_to_logical[mine], new.physical_to_logical[mine],
+                         functools.partial(self._read, layer.index))
+
 
     # ---- what it looks like ----------------------------------------------------------------------
 

@@ -73,9 +73,12 @@ class PoolConfig:
             raise ConfigError("expert-parallel sizes must be >= 1")
         if self.expert_workers < 0 or self.afd_micro_batches < 0:
             raise ConfigError("need --expert-workers >= 0 and --afd-micro-batches auto or >= 1")
-        if self.expert_workers and (self.decode_ep_size > 1 or self.eplb_interval_steps):
+        if self.expert_workers and self.decode_ep_size > 1:
             raise ConfigError("--expert-workers puts the decode workers' experts in an expert pool: it cannot be "
-                              "combined with --expert-parallel-size or --eplb-interval for them yet")
+                              "combined with --expert-parallel-size for them")
+        if self.expert_workers and self.eplb_interval_steps and self.prefill_ep_size > 1:
+            raise ConfigError("--eplb-interval with --expert-workers applies to the expert pool: not also to "
+                              "prefill expert-parallel groups")
         if self.expert_workers and self.num_redundant_experts and self.prefill_ep_size > 1:
             raise ConfigError("--num-redundant-experts with --expert-workers applies to the expert pool: not also "
                               "to prefill expert-parallel groups")
@@ -148,7 +151,9 @@ class WorkerHandle:
                 "experts": self._experts_view()}
 
     def _experts_view(self) -> dict[str, Any] | None:
-        """An expert worker's place in the expert pool, and its exchanges so far."""
+        """An expert worker's place in the expert pool, and its exchanges so far. `owns`: the logical expert of
+        each of its slots in the first MoE layer (at placement epoch 0 every layer alike); `owns_by_layer`: every
+        MoE layer's, at `placement_epoch` (EPLB re-places each layer on its own)."""
         if self.experts is None:
             return None
         e, x = self.experts, self.load.exchange
@@ -156,7 +161,10 @@ class WorkerHandle:
         if x is not None:
             view.update(exchanges=x.exchanges, rows=x.rows, bytes_in=x.bytes_in, bytes_out=x.bytes_out,
                         idle_fraction=x.idle_fraction, refused_frames=x.refused_frames,
-                        shared_exchanges=x.shared)
+                        shared_exchanges=x.shared, placement_epoch=x.epoch,
+                        owns_by_layer={str(layer): slots for layer, slots in sorted(x.owns.items())})
+            if x.owns:
+                view["owns"] = x.owns[min(x.owns)]
         return view
 
 
@@ -272,7 +280,8 @@ class WorkerPool:
         if role.decodes and self._expert_exchanges:  # an attention worker of the expert pool
             engine = dataclasses.replace(engine, attention_ffn=AttentionFFNConfig(
                 experts=self._expert_exchanges, index=self._next_index[role],
-                micro_batches=self.config.afd_micro_batches, encrypt=self.encrypt_traffic))
+                micro_batches=self.config.afd_micro_batches, encrypt=self.encrypt_traffic,
+                rebalance_interval_steps=self.config.eplb_interval_steps, balance_objective=self.config.eplb_objective))
         size = self.config.ep_size(role)
         if size == 1:
             return [self._spec(role, engine)]

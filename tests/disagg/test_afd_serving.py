@@ -2,8 +2,9 @@
 hold the routed experts, the decode (colocated) workers are attention workers dispatching to them, and the
 output is transformers' greedy output, for 2 attention workers over 1 expert worker (m = 2) and for a PD
 prefill worker in front of 1 attention worker over 2 expert workers (m = 3, --encrypt-traffic: the exchange
-sockets CURVE too). `/workers` shows both roles and
-which experts each expert worker owns; every socket listens on loopback; every pool passes its integrity check."""
+sockets CURVE too; 2 redundant slots and EPLB every 2 busy steps: experts move mid-stream). `/workers` shows both
+roles and which experts each expert worker owns; every socket listens on loopback; every pool passes its
+integrity check."""
 
 from __future__ import annotations
 
@@ -38,20 +39,28 @@ def references(moe_model):
     return prompts, hf_greedy(moe_model, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize(("prefill", "attention", "experts", "micro_batches", "encrypt"),
-                         [(0, 2, 1, 2, False), (1, 1, 2, 3, True)], ids=["2:1-m2", "pd-1:2-m3-encrypted"])
-def test_served_afd_matches_transformers(moe_model, references, prefill, attention, experts, micro_batches, encrypt):
+@pytest.mark.parametrize(("prefill", "attention", "experts", "micro_batches", "encrypt", "eplb"),
+                         [(0, 2, 1, 2, False, False), (1, 1, 2, 3, True, True)],
+                         ids=["2:1-m2", "pd-1:2-m3-encrypted-eplb"])
+def test_served_afd_matches_transformers(moe_model, references, prefill, attention, experts, micro_batches, encrypt,
+                                         eplb):
     prompts, refs = references
+    balance = {"num_redundant_experts": 2, "eplb_interval_steps": 2} if eplb else {}
 
     async def scenario():
         async with router_over(moe_model, prefill=prefill, decode=attention, expert_workers=experts,
                                afd_micro_batches=micro_batches, local_prefill_threshold=0,
-                               encrypt_traffic=encrypt) as router:
+                               encrypt_traffic=encrypt, **balance) as router:
             outs = await asyncio.gather(*(collect(router, f"r{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
-            # every expert worker computed rows for the attention workers (its heartbeat carries the count)
-            await async_wait_until(lambda: all(w["experts"].get("rows", 0) > 0 for w in router.workers_view()
-                                               if w["role"] == "expert"),
-                                   10.0, interval_s=0.05, message=lambda: f"no exchanges: {router.workers_view()}")
+            # every expert worker computed rows for the attention workers (its heartbeat carries the count), and,
+            # with EPLB, they hold the same newer placement by now (the last one handed out loads in the background)
+            def settled() -> bool:
+                pool = [w["experts"] for w in router.workers_view() if w["role"] == "expert"]
+                epochs = {e.get("placement_epoch", -1) for e in pool}
+                return all(e.get("rows", 0) > 0 for e in pool) and len(epochs) == 1 and min(epochs) >= eplb
+
+            await async_wait_until(settled, 10.0, interval_s=0.05,
+                                   message=lambda: f"no exchanges: {router.workers_view()}")
             listening = {name: listening_addresses(w.pid) for name, w in router.pool.workers.items()}
             # the bubble, both sides, as /metrics shows it (the attention workers' loads come with their outputs)
             await async_wait_until(lambda: router.stats.afd is not None and router.stats.afd.expert_busy_s > 0, 10.0,
@@ -68,7 +77,14 @@ def test_served_afd_matches_transformers(moe_model, references, prefill, attenti
     assert roles == sorted(["prefill"] * prefill + [attention_role] * attention + ["expert"] * experts)
     owned = {w["name"]: w["experts"]["owns"] for w in view if w["role"] == "expert"}
     per_worker = NUM_EXPERTS // experts
-    assert owned == {f"kvbaton-expert-{r}": list(range(r * per_worker, (r + 1) * per_worker)) for r in range(experts)}
+    if not eplb:
+        assert owned == {f"kvbaton-expert-{r}": list(range(r * per_worker, (r + 1) * per_worker))
+                         for r in range(experts)}
+    else:  # every layer's placement, over the pool, still holds every expert (and 2 copies)
+        by_layer = [w["experts"]["owns_by_layer"] for w in view if w["role"] == "expert"]
+        for layer in by_layer[0]:
+            slots = [e for owns in by_layer for e in owns[layer]]
+            assert len(slots) == NUM_EXPERTS + 2 and set(slots) == set(range(NUM_EXPERTS)), (layer, slots)
     exchanges = [w["experts"]["exchange"] for w in view if w["role"] == "expert"]
     for w in view:
         if w["role"] == "expert":  # its exchange socket listens where its hello says, on loopback

@@ -73,9 +73,11 @@ def colocated(afd_models):
 
 
 def _attention(model: Path, experts: list[str], index: int = 0, micro_batches: int = 1,
-               shared_memory: bool = True, encrypt: bool = False, timeout_s: float = 30, **engine) -> LLM:
+               shared_memory: bool = True, encrypt: bool = False, timeout_s: float = 30,
+               rebalance_interval_steps: int = 0, **engine) -> LLM:
     afd = AttentionFFNConfig(experts=tuple(experts), index=index, micro_batches=micro_batches, timeout_s=timeout_s,
-                             shared_memory=shared_memory, encrypt=encrypt)
+                             shared_memory=shared_memory, encrypt=encrypt,
+                             rebalance_interval_steps=rebalance_interval_steps)
     return LLM(str(model), dtype="float32", num_threads=1, block_size=4, attention_ffn=afd, **engine)
 
 
@@ -139,3 +141,26 @@ def test_a_dead_expert_worker_s_experts_are_served_by_their_copies(afd_models, c
         # the dropped connection shows on the client's monitor socket within moments
         wait_until(lambda: pool.down == {1}, 10.0, interval_s=0.01, message=lambda: f"down: {pool.down}")
         assert greedy(llm, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]
+
+
+def test_an_eplb_rebalance_mid_stream_keeps_every_token(afd_models, colocated, monkeypatch):
+    """EPLB in the expert pool: attention engine 0 plans every 2 busy steps from the load the expert workers
+    served (both engines' traffic), the expert workers load the moved experts while serving, and both engines
+    switch placement between steps, mid-stream, with transformers' tokens throughout."""
+    prompts, refs = colocated
+    model = afd_models["qwen3_moe"]
+    with expert_pool(model, 2, monkeypatch, redundant=2) as experts:  # 10 slots: copies of 2 hot experts
+        leader = _attention(model, experts, 0, 2, rebalance_interval_steps=2)
+        follower = _attention(model, experts, 1, 1)
+        first = leader.engine.core.expert_pool.maps
+        assert greedy(follower, MAX_NEW, prompts[3:]) == refs["qwen3_moe"][3:]
+        assert greedy(leader, MAX_NEW, prompts[:3]) == refs["qwen3_moe"][:3]
+        pool = leader.engine.core.expert_pool
+        assert pool.rebalances >= 1 and pool.epoch >= 1, "the leader switched to a placement of its own"
+        assert pool.maps != first
+        hot = [layer for layer, m in pool.maps.items() if len(set(m.physical_to_logical)) == 8]
+        assert hot == sorted(pool.maps), "every layer still covers every expert"
+        # the follower catches up at its next step, and decodes the same at the new placement
+        assert greedy(follower, MAX_NEW, prompts) == refs["qwen3_moe"]
+        behind = follower.engine.core.expert_pool
+        assert behind.rebalances >= 1 and behind.epoch >= pool.epoch  # (the leader's last plan may be newer)

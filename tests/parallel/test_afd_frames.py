@@ -29,7 +29,11 @@ from kvbaton.parallel.afd.frames import (
     DispatchShared,
     ExchangeFailed,
     FromExpert,
+    LoadQuery,
+    PlaceExperts,
+    Placing,
     PoolHello,
+    PoolLoad,
     PoolWelcome,
     ToExpert,
     max_frame_bytes,
@@ -39,6 +43,7 @@ from kvbaton.parallel.afd.server import ExpertServer, bytes_of, rows_of
 from kvbaton.parallel.afd.shard import ExpertShard, ShardSpec
 from kvbaton.parallel.afd.shared_rows import PREFIX, SlotLayout, SlotPool, probe_matches, views
 from kvbaton.wire import Codec, SignedCodec
+from tests.support.wait import wait_until
 
 SECRET = secrets.token_hex(32).encode()
 MAX_ROWS = 64
@@ -80,9 +85,9 @@ def dispatch(server: ExpertServer, n: int = 5, ticket: int = 1, seed: int = 0) -
     """A valid dispatch of n rows to the worker's slots, and the rows its experts must answer."""
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randn(n, server.shard.hidden, generator=gen)
-    slots = torch.randint(0, len(server.shard.slots), (n,), generator=gen)
-    layer = min(server.shard.layers)
-    return (DispatchRows(ticket, layer, bytes_of(rows), bytes_of(slots.to(torch.int32))),
+    slots = torch.randint(0, server.shard.slots_per_worker, (n,), generator=gen)
+    layer = min(server.shard.moe_layers)
+    return (DispatchRows(ticket, layer, 0, bytes_of(rows), bytes_of(slots.to(torch.int32))),
             server.shard.compute(layer, rows, slots))
 
 
@@ -104,7 +109,8 @@ def test_a_valid_hello_and_dispatch_are_answered(dealer, server):
     request, _ = codecs(server)
     dealer.send(request.encode(PoolHello("a", server.shard.hidden, "float32", server.shard.num_experts)))
     welcome = reply(dealer, server)
-    assert isinstance(welcome, PoolWelcome) and welcome.slots == list(server.shard.slots)
+    assert isinstance(welcome, PoolWelcome) and welcome.epoch == 0
+    assert welcome.slots == [list(server.shard.slots)] * len(server.shard.moe_layers)
     assert_still_serves(dealer, server)
 
 
@@ -127,18 +133,20 @@ def test_unsigned_forged_and_damaged_frames_get_no_answer(dealer, server):
     assert server.stats.refused_frames - before == len(hostile) + 1
 
 
-@pytest.mark.parametrize("damage", ["layer", "slot", "negative slot", "row bytes", "slot bytes", "too many rows"])
+@pytest.mark.parametrize("damage", ["layer", "slot", "negative slot", "row bytes", "slot bytes", "too many rows",
+                                    "epoch"])
 def test_signed_dispatches_it_cannot_serve_fail_that_exchange_only(dealer, server, damage):
     request, _ = codecs(server)
     msg, _ = dispatch(server, ticket=7)
     hidden_bytes = server.shard.hidden * 4
-    bad = {"layer": DispatchRows(7, max(server.shard.layers) + 100, msg.rows, msg.slots),
-           "slot": DispatchRows(7, msg.layer, msg.rows, bytes_of(torch.full((5,), 999, dtype=torch.int32))),
-           "negative slot": DispatchRows(7, msg.layer, msg.rows, bytes_of(torch.full((5,), -1, dtype=torch.int32))),
-           "row bytes": DispatchRows(7, msg.layer, msg.rows[:-1], msg.slots),
-           "slot bytes": DispatchRows(7, msg.layer, msg.rows, msg.slots[:-2]),
-           "too many rows": DispatchRows(7, msg.layer, b"\0" * hidden_bytes * (MAX_ROWS + 1),
-                                         b"\0" * 4 * (MAX_ROWS + 1))}[damage]
+    bad = {"layer": DispatchRows(7, max(server.shard.moe_layers) + 100, 0, msg.rows, msg.slots),
+           "slot": DispatchRows(7, msg.layer, 0, msg.rows, bytes_of(torch.full((5,), 999, dtype=torch.int32))),
+           "negative slot": DispatchRows(7, msg.layer, 0, msg.rows, bytes_of(torch.full((5,), -1, dtype=torch.int32))),
+           "row bytes": DispatchRows(7, msg.layer, 0, msg.rows[:-1], msg.slots),
+           "slot bytes": DispatchRows(7, msg.layer, 0, msg.rows, msg.slots[:-2]),
+           "too many rows": DispatchRows(7, msg.layer, 0, b"\0" * hidden_bytes * (MAX_ROWS + 1),
+                                         b"\0" * 4 * (MAX_ROWS + 1)),
+           "epoch": DispatchRows(7, msg.layer, 5, msg.rows, msg.slots)}[damage]
     frame = request.encode(bad)
     if len(frame) > request.max_frame_bytes:  # past the socket's limit: ZeroMQ drops the connection, not the server
         dealer.send(frame)
@@ -148,6 +156,56 @@ def test_signed_dispatches_it_cannot_serve_fail_that_exchange_only(dealer, serve
     got = reply(dealer, server)
     assert isinstance(got, ExchangeFailed) and got.ticket == 7 and got.message
     assert_still_serves(dealer, server)
+
+
+def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused(ctx, tiny_moe_models):
+    """EPLB's frames to an expert worker (a server of its own: it changes placement). Malformed placements are
+    refused with the reason, nothing loaded; a valid one (the two workers' experts swapped) loads on the side
+    while epoch 0 serves; then a dispatch at epoch 1 goes through the experts it moved in."""
+    model = tiny_moe_models["qwen3_moe"]
+    own = ExpertServer(ExpertShard(ShardSpec(model, rank=0, size=2)), SECRET, max_rows=MAX_ROWS)
+    other = ExpertShard(ShardSpec(model, rank=1, size=2))  # what rank 0 holds once the two swap
+    own.start()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(own.address)
+    try:
+        request, _ = codecs(own)
+        layers, per = len(own.shard.moe_layers), own.shard.slots_per_worker
+        swapped = [list(range(per, 2 * per)) + list(range(per))] * layers
+        bad = {"layers": swapped[:-1], "slots": [row[:-1] for row in swapped],
+               "expert out of range": [[99] + row[1:] for row in swapped],
+               "expert missing": [[row[1]] + row[1:] for row in swapped]}
+        for why, placement in bad.items():
+            sock.send(request.encode(PlaceExperts(1, placement)))
+            got = reply(sock, own)
+            assert isinstance(got, Placing) and got.refused and got.ready == 0, why
+        sock.send(request.encode(PlaceExperts(1, swapped)))
+        got = reply(sock, own)
+        assert isinstance(got, Placing) and not got.refused
+        assert_still_serves(sock, own)  # at epoch 0, while epoch 1 loads
+
+        def ready() -> int:
+            sock.send(request.encode(LoadQuery()))
+            load = reply(sock, own)
+            assert isinstance(load, PoolLoad) and len(load.counts) == layers
+            return load.ready
+
+        wait_until(lambda: ready() == 1, 30.0, interval_s=0.01, message="placement epoch 1 never loaded")
+        sock.send(request.encode(PlaceExperts(1, swapped)))  # again (a replacement's catch-up): held, nothing to do
+        got = reply(sock, own)
+        assert isinstance(got, Placing) and not got.refused and got.ready == 1
+        msg, _ = dispatch(own, ticket=5)
+        rows, slots = rows_of(msg.rows, torch.float32, own.shard.hidden), rows_of(msg.slots, torch.int32, 1)
+        sock.send(request.encode(DispatchRows(5, msg.layer, 1, msg.rows, msg.slots)))
+        got = reply(sock, own)
+        assert isinstance(got, CombinedRows) and got.ready == 1
+        expected = other.compute(msg.layer, rows, slots.flatten().to(torch.int64))
+        assert torch.equal(rows_of(got.rows, torch.float32, own.shard.hidden), expected)
+        assert_still_serves(sock, own)  # epoch 0 is kept while it is used
+    finally:
+        sock.close(linger=0)
+        own.close()
 
 
 def test_an_oversized_frame_drops_only_its_senders_connection(ctx, dealer, server):
@@ -181,7 +239,7 @@ def shared_dispatch(server: ExpertServer, slots: SlotPool, n: int = 5, ticket: i
     rows, ids, _ = views(slot.segment, slot.layout, n, torch.float32, server.shard.hidden)
     rows.copy_(rows_of(msg.rows, torch.float32, server.shard.hidden))
     ids.copy_(rows_of(msg.slots, torch.int32, 1).flatten())
-    return DispatchShared(ticket, msg.layer, slot.name, slot.layout.capacity, n), slot, expected
+    return DispatchShared(ticket, msg.layer, 0, slot.name, slot.layout.capacity, n), slot, expected
 
 
 def test_a_shared_memory_dispatch_is_answered_in_its_slot(dealer, server):
@@ -220,11 +278,11 @@ def test_shared_dispatches_it_must_not_map_fail_that_exchange_only(dealer, serve
            "too small": lambda: segment(base, layout.size - 1),
            "traversal": lambda: f"{PREFIX}rows-../../{SHM_DIR}/{slot.name}"}
     if damage in bad:
-        msg = DispatchShared(8, msg.layer, bad[damage](), msg.capacity, msg.rows)
+        msg = DispatchShared(8, msg.layer, 0, bad[damage](), msg.capacity, msg.rows)
     elif damage == "rows > capacity":
-        msg = DispatchShared(8, msg.layer, msg.segment, msg.capacity, msg.capacity + 1)
+        msg = DispatchShared(8, msg.layer, 0, msg.segment, msg.capacity, msg.capacity + 1)
     elif damage == "capacity > max rows":
-        msg = DispatchShared(8, msg.layer, msg.segment, MAX_ROWS + 64, msg.rows)
+        msg = DispatchShared(8, msg.layer, 0, msg.segment, MAX_ROWS + 64, msg.rows)
     else:
         views(slot.segment, slot.layout, msg.rows, torch.float32, server.shard.hidden)[1][0] = 999
     try:
@@ -248,14 +306,14 @@ def test_abandoned_slots_are_unlinked_and_the_pool_serves_on(tiny_moe_models, mo
     server.start()
     config = AttentionFFNConfig(experts=(server.address,), timeout_s=10)
     client = ExpertPoolClient(config, SECRET, "test", shard.hidden, torch.float32, shard.num_experts,
-                              sorted(shard.layers))
+                              list(shard.moe_layers))
     try:
         assert client.shared_memory == client.local_channels == [True]
         gen = torch.Generator().manual_seed(3)
         x = torch.randn(4, shard.hidden, generator=gen)
         ids = torch.randint(0, shard.num_experts, (4, 2), generator=gen)
         weights = torch.rand(4, 2, generator=gen)
-        layer = min(shard.layers)
+        layer = min(shard.moe_layers)
         first = client.wait(client.post(layer, x, ids, weights))
         client.post(layer, x, ids, weights)  # its step fails before the wait
         in_flight = [slot.name for slot in client._in_slot.values()]

@@ -16,6 +16,7 @@ Every rank must make the same calls in the same order: a rank without tokens thi
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -245,4 +246,29 @@ def stacked_experts(gate_up: torch.Tensor, down: torch.Tensor) -> GroupedExperts
         experts = GroupedExperts(gate_up.shape[0], down.shape[1], down.shape[2])
     experts.gate_up_proj = torch.nn.Parameter(gate_up.contiguous(), requires_grad=False)
     experts.down_proj = torch.nn.Parameter(down.contiguous(), requires_grad=False)
+    return experts
+
+
+def restacked(current: GroupedExperts, held: Sequence[int], wanted: Sequence[int],
+              read: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]]) -> GroupedExperts:
+    """Experts whose slot i holds logical expert `wanted[i]`, from `current` (whose slots hold `held`): an expert
+    it holds is copied (already in its kernel's layout), the others read (`read`: logical experts -> gate_up,
+    down stacks) and packed for the same kernel. What EPLB runs off the serving path to move experts."""
+    gate_up = torch.empty((len(wanted), *current.gate_up_proj.shape[1:]), dtype=current.gate_up_proj.dtype)
+    down = torch.empty((len(wanted), *current.down_proj.shape[1:]), dtype=current.down_proj.dtype)
+    moved = [i for i, expert in enumerate(wanted) if expert not in held]
+    for i, expert in enumerate(wanted):
+        if i not in moved:
+            source = held.index(expert)
+            gate_up[i].copy_(current.gate_up_proj[source])
+            down[i].copy_(current.down_proj[source])
+    if moved:
+        read_up, read_down = read([wanted[i] for i in moved])
+        if current.kernel is not None:  # the kept slots are in the kernel's layout (packed per expert)
+            current.kernel.pack_(read_up, read_down)
+        for j, i in enumerate(moved):
+            gate_up[i].copy_(read_up[j])
+            down[i].copy_(read_down[j])
+    experts = stacked_experts(gate_up, down)
+    experts.kernel = current.kernel  # the new stacks are in its layout already
     return experts

@@ -19,7 +19,12 @@ ZeroMQ socket, which queues them until the replacement connects; the Unix socket
 
 With redundant experts in the pool (`ExpertMap.mirrored`), a worker whose connection dropped is routed around
 while every expert it holds has a copy on a worker that is up: only the exchanges it held fail, and the next
-steps go on without waiting for its replacement, whose slots are used again once it connects."""
+steps go on without waiting for its replacement, whose slots are used again once it connects.
+
+Placements are numbered (epochs, `pool_balance.py`): every dispatch names the epoch its slot ids are of, every
+answer says the newest epoch its expert worker holds. Between two steps (`between_steps`) the client switches to a
+newer placement once every expert worker holds it, tells a replacement expert worker the placement in use, and,
+on attention worker 0 with EPLB on, plans the next placement every interval of busy steps."""
 
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import zmq
@@ -41,21 +47,30 @@ from kvbaton.parallel.afd.frames import (
     DispatchShared,
     ExchangeFailed,
     FromExpert,
+    LoadQuery,
+    PlaceExperts,
+    Placing,
     PoolHello,
+    PoolLoad,
     PoolWelcome,
     ToExpert,
     max_frame_bytes,
 )
 from kvbaton.parallel.afd.local_channel import MAX_LOCAL_FRAME_BYTES, connect_local
+from kvbaton.parallel.afd.pool_balance import PoolBalancer
 from kvbaton.parallel.afd.server import DEFAULT_MAX_ROWS, bytes_of, rows_of
 from kvbaton.parallel.afd.shared_rows import Slot, SlotPool, probe_matches, views
 from kvbaton.wire import ChannelError, Codec, SignedCodec, curve_client, curve_keys
 
 logger = logging.getLogger(__name__)
+Answer = TypeVar("Answer", PoolWelcome, Placing, PoolLoad)
 
 
 UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # a (re)connected expert worker
 LOCAL_RETRY_S = 0.05  # how often a post tries to reach a same-host expert worker's Unix socket again
+RESYNC_S = 5.0  # after this long without an exchange, ask the pool for its placement before the next step
+# (well under the expert workers' RETAIN_S: an idle attention worker catches up before its epoch is dropped)
+CONTROL = (PoolWelcome, Placing, PoolLoad)  # the answers a step does not wait for: taken by `_control`
 
 
 class ExpertPoolError(RuntimeError):
@@ -85,9 +100,11 @@ class ClientStats:
 
 class ExpertPoolClient:
     def __init__(self, config: AttentionFFNConfig, secret: bytes, name: str, hidden: int, dtype: torch.dtype,
-                 num_experts: int, moe_layers: list[int], max_rows: int = DEFAULT_MAX_ROWS) -> None:
+                 num_experts: int, moe_layers: list[int], max_rows: int = DEFAULT_MAX_ROWS, num_groups: int = 1,
+                 ) -> None:
         self.config = config
         self.hidden, self.dtype, self.num_experts = hidden, dtype, num_experts
+        self.moe_layers = list(moe_layers)
         self.dtype_name = str(dtype).removeprefix("torch.")
         self._row_bytes = hidden * dtype.itemsize
         limit = max_frame_bytes(max_rows, hidden, self.dtype_name)
@@ -120,10 +137,26 @@ class ExpertPoolClient:
         self._local_requests = Codec(ToExpert, MAX_LOCAL_FRAME_BYTES)
         self._local_replies = Codec(FromExpert, MAX_LOCAL_FRAME_BYTES)
         self.stats = ClientStats()
+        self._hello = PoolHello(name, hidden, self.dtype_name, num_experts)
+        self.epoch = 0  # the placement this worker routes by
+        self.maps: dict[int, ExpertMap] = {}  # per MoE layer, at `epoch`
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (slot table, copies)
+        self._ready = [0 for _ in config.experts]  # per worker: the newest epoch it said it holds
+        self._needs_place: set[int] = set()  # workers to tell the placement in use (a replacement)
+        self._last_exchange = time.monotonic()
+        self._placing = 0  # the newest epoch this worker (the leader) handed out
+        self.rebalances = 0  # newer placements switched to
+        self.balancer = PoolBalancer(config.rebalance_interval_steps, num_experts, num_groups,
+                                     "active_experts" if config.balance_objective == "active_experts" else "tokens",
+                                     ) if config.index == 0 and config.rebalance_interval_steps else None
         try:
-            welcomes = [self._handshake(w, PoolHello(name, hidden, self.dtype_name, num_experts))
-                        for w in range(len(self._sockets))]
-            self.map = self._placement(welcomes, moe_layers)
+            welcomes = self._welcomes()
+            deadline = time.monotonic() + config.timeout_s
+            while not self._adopt(welcomes):  # a rebalance half-way through: its workers hold different epochs
+                if time.monotonic() > deadline:
+                    raise ExpertPoolError("the expert workers did not agree on a placement within "
+                                          f"{config.timeout_s:g} s")
+                welcomes = self._welcomes()
             self._shared = [SlotPool(self._row_bytes) if config.shared_memory and probe_matches(w.probe, w.probe_token)
                             else None for w in welcomes]
             for worker, w in enumerate(welcomes):
@@ -133,7 +166,6 @@ class ExpertPoolClient:
         except BaseException:
             self.close()
             raise
-        self.slot_table, self.copies = self.map.lookup(num_experts)
 
     @property
     def shared_memory(self) -> list[bool]:
@@ -145,15 +177,21 @@ class ExpertPoolClient:
         """Per expert worker: whether its frames go over a same-host Unix socket now."""
         return [sock is not None for sock in self._local]
 
-    def _handshake(self, worker: int, hello: PoolHello) -> PoolWelcome:
-        self._sockets[worker].send(self._requests.encode(hello), copy=False)
+    def _control(self, worker: int, msg: ToExpert, answer: type[Answer]) -> Answer:
+        """Send a control frame to `worker` and wait for its answer (between steps: nothing else waits on it)."""
+        self._sockets[worker].send(self._requests.encode(msg), copy=False)
         reply = self._receive(worker, None)
-        if not isinstance(reply, PoolWelcome):
-            raise ExpertPoolError(f"expert worker {self.config.experts[worker]} did not welcome this worker")
+        if not isinstance(reply, answer):
+            raise ExpertPoolError(f"expert worker {self.config.experts[worker]} answered {type(reply).__name__} "
+                                  f"to {type(msg).__name__}")
         return reply
 
-    def _placement(self, welcomes: list[PoolWelcome], moe_layers: list[int]) -> ExpertMap:
-        """The pool's placement from its workers' welcomes; ConfigError where a worker serves another model."""
+    def _welcomes(self) -> list[PoolWelcome]:
+        return [self._control(w, self._hello, PoolWelcome) for w in range(len(self._sockets))]
+
+    def _adopt(self, welcomes: list[PoolWelcome]) -> bool:
+        """Route by the placement the welcomes describe; False (nothing changed) while the workers hold different
+        newest epochs. ConfigError where a worker serves another model."""
         size = len(welcomes)
         for worker, w in enumerate(welcomes):
             where = self.config.experts[worker]
@@ -162,9 +200,18 @@ class ExpertPoolClient:
             if (w.hidden, w.dtype, w.num_experts) != (self.hidden, self.dtype_name, self.num_experts):
                 raise ConfigError(f"expert worker {where} serves hidden {w.hidden}, {w.dtype}, {w.num_experts} "
                                   f"experts; this model has {self.hidden}, {self.dtype_name}, {self.num_experts}")
-            if sorted(w.layers) != sorted(moe_layers):
-                raise ConfigError(f"expert worker {where} holds MoE layers {w.layers}, this model has {moe_layers}")
-        return ExpertMap(tuple(slot for w in welcomes for slot in w.slots), size)
+            if sorted(w.layers) != sorted(self.moe_layers) or len(w.slots) != len(w.layers):
+                raise ConfigError(f"expert worker {where} holds MoE layers {w.layers}, this model has "
+                                  f"{self.moe_layers}")
+            self._ready[worker] = w.epoch
+        if len({w.epoch for w in welcomes}) > 1:
+            return False
+        slots = [dict(zip(w.layers, w.slots, strict=True)) for w in welcomes]
+        self.maps = {layer: ExpertMap(tuple(s for held in slots for s in held[layer]), size)
+                     for layer in self.moe_layers}
+        self.epoch = welcomes[0].epoch
+        self._tables.clear()
+        return True
 
     @property
     def down(self) -> frozenset[int]:
@@ -173,32 +220,36 @@ class ExpertPoolClient:
             self._note_disconnects(worker)
         return frozenset(self._down)
 
-    def _routing(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot table for the next exchange: without the down workers' slots while copies of all their
+    def _routing(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s slot table for the next exchange: without the down workers' slots while copies of all their
         experts are up elsewhere (redundant experts); with them otherwise (their rows wait for the replacement)."""
         down = self.down
         if down != self._routed_without:
-            try:
-                self.slot_table, self.copies = self.map.lookup(self.num_experts, down)
-                around = True
-            except ValueError:  # some expert has no copy up: its rows queue for the replacement
-                self.slot_table, self.copies = self.map.lookup(self.num_experts)
-                around = False
+            self._tables.clear()
             self._routed_without = down
             if down:
-                logger.warning("expert pool: workers %s down; routing %s", sorted(down),
-                               "to copies of their experts" if around else "to them still (no copies up)")
-        return self.slot_table, self.copies
+                logger.warning("expert pool: workers %s down; routing around them where copies of their experts "
+                               "are up", sorted(down))
+        table = self._tables.get(layer)
+        if table is None:
+            expert_map = self.maps[layer]
+            try:
+                table = expert_map.lookup(self.num_experts, down)
+            except ValueError:  # some expert has no copy up: its rows queue for the replacement
+                table = expert_map.lookup(self.num_experts)
+            self._tables[layer] = table
+        return table
 
     def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Pending:
         """Send layer `layer`'s rows x [T, H] (routed to ids [T, k] by weights [T, k]) to their experts' workers."""
-        slot_table, copies = self._routing()
+        slot_table, copies = self._routing(layer)
         tokens, slots = choose_slots(ids, slot_table, copies, 1, self.config.index)
         order = torch.argsort(slots, stable=True)
         sorted_slots = slots[order]
         rows = x[tokens[order]].to(self.dtype)
-        per = self.map.slots_per_rank
-        counts = torch.bincount(sorted_slots // per, minlength=self.map.num_ranks).tolist()
+        expert_map = self.maps[layer]
+        per = expert_map.slots_per_rank
+        counts = torch.bincount(sorted_slots // per, minlength=expert_map.num_ranks).tolist()
         local = (sorted_slots % per).to(torch.int32)
         ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
         parts, start = [], 0
@@ -212,6 +263,7 @@ class ExpertPoolClient:
             start += n
         self._in_flight.add(ticket)
         self.stats.exchanges += 1
+        self._last_exchange = time.monotonic()
         return Pending(ticket, parts, order, x, ids, weights)
 
     def _send(self, worker: int, msg: DispatchRows | DispatchShared) -> int:
@@ -236,7 +288,7 @@ class ExpertPoolClient:
             sock = self._local[worker] = connect_local(self._local_names[worker], self.config.timeout_s)
             self._local_retry[worker] = time.monotonic() + LOCAL_RETRY_S
             if sock is not None:  # it listens again (it had only dropped this connection, or was replaced)
-                self._down.discard(worker)
+                self._up(worker)
         return sock
 
     def _local_down(self, worker: int) -> None:
@@ -256,19 +308,19 @@ class ExpertPoolClient:
         shared memory, the slot they were copied into."""
         slots = self._shared[worker]
         if slots is None:
-            return DispatchRows(ticket, layer, bytes_of(rows), bytes_of(local))
+            return DispatchRows(ticket, layer, self.epoch, bytes_of(rows), bytes_of(local))
         n = rows.shape[0]
         try:
             slot = slots.take(n)
         except OSError as exc:  # /dev/shm full (a container's 64 MiB): this exchange's rows go in the frame
             logger.warning("expert pool: no shared-memory slot for %d rows (%s); sending them in the frame", n, exc)
-            return DispatchRows(ticket, layer, bytes_of(rows), bytes_of(local))
+            return DispatchRows(ticket, layer, self.epoch, bytes_of(rows), bytes_of(local))
         shared_rows, shared_ids, _ = views(slot.segment, slot.layout, n, self.dtype, self.hidden)
         shared_rows.copy_(rows)
         shared_ids.copy_(local)
         self._in_slot[(worker, ticket)] = slot
         self.stats.bytes_sent += n * (self._row_bytes + 4)
-        return DispatchShared(ticket, layer, slot.name, slot.layout.capacity, n)
+        return DispatchShared(ticket, layer, self.epoch, slot.name, slot.layout.capacity, n)
 
     def _outputs(self, worker: int, ticket: int, reply: CombinedRows | CombinedShared, n: int) -> torch.Tensor:
         """A reply's output rows [n, hidden] (over the frame or the slot: read them before the slot goes back)."""
@@ -293,6 +345,8 @@ class ExpertPoolClient:
             for worker, n in pending.parts:
                 reply = self._receive(worker, pending.ticket)
                 if isinstance(reply, ExchangeFailed):
+                    if reply.ready < self.epoch:  # a replacement, or it lost the placement: tell it before the next
+                        self._needs_place.add(worker)
                     raise ExpertPoolError(f"expert worker {self.config.experts[worker]}: {reply.message}")
                 assert isinstance(reply, CombinedRows | CombinedShared)
                 outs.append(self._outputs(worker, pending.ticket, reply, n))
@@ -334,7 +388,70 @@ class ExpertPoolClient:
                 self._awaiting[worker].clear()
                 self._down.add(worker)
             elif event == UP_EVENT:
-                self._down.discard(worker)
+                self._up(worker)
+
+    def _up(self, worker: int) -> None:
+        """`worker`'s connection is up again: if it had dropped, the process may be a replacement, which holds the
+        first placement only until told the one in use."""
+        if worker in self._down:
+            self._down.discard(worker)
+            self._needs_place.add(worker)
+
+    # ---- placements ------------------------------------------------------------------------------
+
+    def between_steps(self, busy: bool = True) -> None:
+        """Before a step, with nothing in flight: a replacement told the placement in use, the switch to a newer
+        placement once every expert worker holds it, and (attention worker 0, EPLB on) the next plan every
+        interval of busy steps. ExpertPoolError if an expert worker fails to answer (the step fails)."""
+        down = self.down
+        if self.epoch and self._needs_place - down:
+            placement = self._placement_now()
+            for worker in sorted(self._needs_place - down):
+                self._place(worker, self.epoch, placement)
+        if down:
+            return
+        if min(self._ready) > self.epoch or time.monotonic() - self._last_exchange > RESYNC_S:
+            self._switch()
+        if busy and self.balancer is not None and self.balancer.due() and self._placing <= self.epoch:
+            self._rebalance()
+
+    def _placement_now(self) -> list[list[int]]:
+        return [list(self.maps[layer].physical_to_logical) for layer in self.moe_layers]
+
+    def _place(self, worker: int, epoch: int, placement: list[list[int]]) -> bool:
+        """Hand `worker` placement `epoch`; whether it holds or loads it now."""
+        reply = self._control(worker, PlaceExperts(epoch, placement), Placing)
+        if reply.refused:
+            logger.warning("expert pool: %s refused placement epoch %d: %s", self.config.experts[worker], epoch,
+                           reply.refused)
+            return False
+        self._needs_place.discard(worker)
+        return True
+
+    def _switch(self) -> None:
+        """Route by the pool's newest placement, if every expert worker holds it."""
+        self._last_exchange = time.monotonic()
+        before = self.epoch
+        if self._adopt(self._welcomes()) and self.epoch != before:
+            self.rebalances += 1
+            logger.info("expert pool: placement epoch %d (was %d); first MoE layer: %s", self.epoch, before,
+                        self.maps[self.moe_layers[0]].physical_to_logical)
+
+    def _rebalance(self) -> None:
+        """EPLB's turn (the leader): plan from the pool's load since the last plan and hand it out."""
+        assert self.balancer is not None
+        loads = [self._control(w, LoadQuery(), PoolLoad) for w in range(len(self._sockets))]
+        window = self.balancer.window([load.counts for load in loads])
+        placement = self.balancer.plan(window, [self.maps[layer] for layer in self.moe_layers])
+        if placement is None:
+            return
+        epoch = max(self.epoch, self._placing, *self._ready) + 1
+        self._placing = epoch
+        placed = sum(self._place(w, epoch, placement) for w in range(len(self._sockets)))
+        if placed < len(self._sockets):  # some worker is still loading another: plan again next interval
+            self._placing = self.epoch
+        logger.info("expert pool: EPLB placement epoch %d handed to %d of %d expert workers", epoch, placed,
+                    len(self._sockets))
 
     def _receive(self, worker: int, ticket: int | None) -> FromExpert:
         """The reply of `worker` to `ticket` (None: its welcome); replies to other exchanges in flight are kept."""
@@ -367,7 +484,8 @@ class ExpertPoolClient:
                                       f"{self.config.timeout_s:g} s")
             if reply is None:
                 continue
-            if isinstance(reply, PoolWelcome):
+            self._ready[worker] = reply.epoch if isinstance(reply, PoolWelcome) else reply.ready
+            if isinstance(reply, CONTROL):
                 if ticket is None:
                     return reply
                 continue
@@ -402,7 +520,7 @@ class ExpertPoolClient:
         except ChannelError as exc:
             logger.warning("expert pool: refused a same-host frame from %s: %s", self.config.experts[worker], exc)
             return None
-        return None if isinstance(reply, PoolWelcome) else reply
+        return None if isinstance(reply, CONTROL) else reply
 
     def dispatcher(self, layer: int) -> RemoteExperts:
         return RemoteExperts(self, layer)

@@ -11,7 +11,11 @@ own, a payload of the wrong length, a shared-memory slot it may not map or that 
 
 Same-host attention workers send `DispatchShared` instead: the rows are in their owner-only slot, and the
 outputs go back into it (`shared_rows.py`); the probe segment named in the welcome lets them find out. They send
-it over a Unix socket of this user's (`local_channel.py`), which the same thread serves beside the ROUTER."""
+it over a Unix socket of this user's (`local_channel.py`), which the same thread serves beside the ROUTER.
+
+EPLB (`pool_balance.py`) asks over the ROUTER for the load this worker served (`LoadQuery`) and hands it a new
+placement (`PlaceExperts`), which the shard loads on a thread of its own; this thread installs it between two
+frames (`ExpertShard.settle`), and every answer says the newest placement held."""
 
 from __future__ import annotations
 
@@ -34,13 +38,17 @@ from kvbaton.parallel.afd.frames import (
     DispatchShared,
     ExchangeFailed,
     FromExpert,
+    LoadQuery,
+    PlaceExperts,
+    Placing,
     PoolHello,
+    PoolLoad,
     PoolWelcome,
     ToExpert,
     max_frame_bytes,
 )
 from kvbaton.parallel.afd.local_channel import LocalListener, local_name
-from kvbaton.parallel.afd.shard import ExpertShard
+from kvbaton.parallel.afd.shard import ExpertShard, PlacementRefused
 from kvbaton.parallel.afd.shared_rows import AttachedSegments, Probe, SlotLayout, shared_memory_usable, views
 from kvbaton.wire import ChannelError, Codec, SignedCodec, curve_keys, curve_server
 
@@ -128,6 +136,7 @@ class ExpertServer:
             poller.register(local.listener, zmq.POLLIN)
         try:
             while not self._stop.is_set():
+                self.shard.settle()
                 for item, _ in poller.poll(POLL_MS):  # a plain socket comes back as its fd
                     if item is self._socket:
                         self._serve_one(self._socket.recv_multipart(copy=True))
@@ -218,36 +227,59 @@ class ExpertServer:
         shard = self.shard
         if isinstance(msg, PoolHello):
             logger.info("expert exchange: attention worker %s connected", msg.attention)
-            probe = self._probe
-            return PoolWelcome(rank=shard.spec.rank, size=shard.spec.size, slots=list(shard.slots),
-                               layers=sorted(shard.layers), hidden=shard.hidden, dtype=shard.dtype_name,
-                               num_experts=shard.num_experts, probe=probe.segment.name if probe else "",
-                               probe_token=probe.token if probe else b"",
-                               local=self._local.name if self._local is not None else "")
+            return self._welcome()
+        if isinstance(msg, PlaceExperts):
+            return self._place(msg)
+        if isinstance(msg, LoadQuery):
+            return PoolLoad(shard.counts.tolist(), shard.newest)
         try:
             if isinstance(msg, DispatchShared):
                 rows, ids, outputs = self._check_shared(msg)
-                outputs.copy_(shard.compute(msg.layer, rows, ids))
-                return CombinedShared(msg.ticket)
+                outputs.copy_(shard.compute(msg.layer, rows, ids, msg.epoch))
+                return CombinedShared(msg.ticket, shard.newest)
             rows, slots = self._check(msg)
-            out = shard.compute(msg.layer, rows, slots)
+            out = shard.compute(msg.layer, rows, slots, msg.epoch)
         except BadExchange as exc:
-            return ExchangeFailed(msg.ticket, str(exc))
+            return ExchangeFailed(msg.ticket, str(exc), shard.newest)
         except Exception as exc:  # a kernel's refusal: that step fails, the worker serves on
             logger.exception("expert exchange %d of layer %d failed", msg.ticket, msg.layer)
-            return ExchangeFailed(msg.ticket, f"expert worker {shard.spec.rank}: {exc}")
-        return CombinedRows(msg.ticket, bytes_of(out))
+            return ExchangeFailed(msg.ticket, f"expert worker {shard.spec.rank}: {exc}", shard.newest)
+        return CombinedRows(msg.ticket, bytes_of(out), shard.newest)
 
-    def _check_layer(self, layer: int) -> None:
-        if layer not in self.shard.layers:
-            raise BadExchange(f"expert worker {self.shard.spec.rank} holds no experts of layer {layer}")
+    def _welcome(self) -> PoolWelcome:
+        shard, probe = self.shard, self._probe
+        newest = shard.held[shard.newest]
+        return PoolWelcome(rank=shard.spec.rank, size=shard.spec.size, epoch=shard.newest,
+                           slots=[newest.slots[layer] for layer in shard.moe_layers], layers=shard.moe_layers,
+                           hidden=shard.hidden, dtype=shard.dtype_name, num_experts=shard.num_experts,
+                           probe=probe.segment.name if probe else "", probe_token=probe.token if probe else b"",
+                           local=self._local.name if self._local is not None else "")
+
+    def _place(self, msg: PlaceExperts) -> Placing:
+        try:
+            self.shard.place(msg.epoch, msg.placement)
+        except PlacementRefused as exc:
+            return Placing(msg.epoch, self.shard.newest, str(exc))
+        logger.info("expert exchange: loading placement epoch %d", msg.epoch)
+        return Placing(msg.epoch, self.shard.newest)
+
+    def _check_layer(self, layer: int, epoch: int) -> None:
+        shard = self.shard
+        if layer not in shard.moe_layers:
+            raise BadExchange(f"expert worker {shard.spec.rank} holds no experts of layer {layer}")
+        if not shard.holds(epoch):
+            shard.wait_loaded(epoch)  # a dispatch that overtook its placement's loading: it is served once loaded
+        if not shard.holds(epoch):
+            raise BadExchange(f"expert worker {shard.spec.rank} holds no placement epoch {epoch} "
+                              f"(newest: {shard.newest})")
 
     def _check_slot_ids(self, slots: torch.Tensor) -> None:
-        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= len(self.shard.slots)):
-            raise BadExchange(f"slot ids must be in [0, {len(self.shard.slots)})")
+        per = self.shard.slots_per_worker
+        if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= per):
+            raise BadExchange(f"slot ids must be in [0, {per})")
 
     def _check(self, msg: DispatchRows) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_layer(msg.layer)
+        self._check_layer(msg.layer, msg.epoch)
         row_bytes = self._row_bytes
         n = len(msg.slots) // 4
         if len(msg.slots) % 4 or len(msg.rows) != n * row_bytes or n > self.max_rows:
@@ -259,7 +291,7 @@ class ExpertServer:
 
     def _check_shared(self, msg: DispatchShared) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows, slot ids and output room of a shared-memory dispatch, once its slot checks out."""
-        self._check_layer(msg.layer)
+        self._check_layer(msg.layer, msg.epoch)
         if self._probe is None:
             raise BadExchange("this expert worker takes no shared-memory exchanges")
         if not 0 <= msg.rows <= msg.capacity <= self.max_rows:

@@ -2,25 +2,38 @@
 computation a dispatched row asks of them (the row through its slot's expert, weight 1: the attention worker
 that sent it weights and sums, `layers.moe.dispatch.combine`).
 
-The pool's placement is the expert-parallel one (`ExpertMap`: slot s on expert worker s // slots_per_worker):
-contiguous, E / size experts a worker, and with `redundant` slots, copies of the next workers' experts
-(`ExpertMap.mirrored`), which an attention worker routes to while their first owner is down."""
+The pool's first placement (epoch 0) is the expert-parallel one (`ExpertMap`: slot s on expert worker
+s // slots_per_worker): contiguous, E / size experts a worker, and with `redundant` slots, copies of the next
+workers' experts (`ExpertMap.mirrored`), which an attention worker routes to while their first owner is down.
+EPLB places the experts anew, per layer (`place`): the worker loads the slots it did not hold from the checkpoint
+on a thread of its own while it serves on, then holds the new epoch beside the old one until no attention
+worker has sent at the old one for `RETAIN_S` (attention workers switch when every expert worker is ready, each
+at its own step: for that while, both are served)."""
 
 from __future__ import annotations
 
+import functools
 import logging
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from kvbaton.config import ConfigError, ModelConfig
 from kvbaton.layers.compute_paths import moe_kernel_of, plan_compute
-from kvbaton.layers.moe.dispatch import ExpertMap, stacked_experts
+from kvbaton.layers.moe.dispatch import ExpertMap, restacked, stacked_experts
 from kvbaton.layers.moe.experts import ExpertGroups, GroupedExperts
 from kvbaton.models.loader import read_experts
 
 logger = logging.getLogger(__name__)
+
+RETAIN_S = 10.0  # an older placement is kept while an attention worker sent at it this recently
+
+
+class PlacementRefused(ValueError):
+    """A placement this worker will not load (malformed, stale, or another one still loading)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,20 @@ class ShardSpec:
     redundant: int = 0  # the pool's redundant expert slots (a multiple of size): copies of other workers' experts
 
 
+@dataclass
+class Placed:
+    """One placement epoch as this worker holds it: per MoE layer, its slots' logical experts and their weights."""
+
+    epoch: int
+    slots: dict[int, list[int]]
+    experts: dict[int, GroupedExperts]
+    logical: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: slot -> logical expert (int64)
+    used_at: float = field(default_factory=time.monotonic)  # the last dispatch at it (or when it became ready)
+
+    def __post_init__(self) -> None:
+        self.logical = {layer: torch.tensor(s, dtype=torch.int64) for layer, s in self.slots.items()}
+
+
 class ExpertShard:
     def __init__(self, spec: ShardSpec) -> None:
         cfg = ModelConfig.from_dir(spec.model_dir)
@@ -48,29 +75,112 @@ class ExpertShard:
             self.map = ExpertMap.mirrored(self.num_experts, spec.size, spec.redundant)
         except ValueError as exc:
             raise ConfigError(f"expert pool of {spec.size}: {exc}") from exc
-        self.slots = self.map.local_experts(spec.rank)
-        self.layers: dict[int, GroupedExperts] = {}
+        self.slots = self.map.local_experts(spec.rank)  # epoch 0's, every layer alike
+        self.moe_layers = [layer for layer in range(cfg.num_hidden_layers) if cfg.moe.is_moe_layer(layer)]
         kernel = moe_kernel_of(plan_compute(spec.dtype, spec.compute_path, spec.deterministic, spec.kernels)) \
             if spec.kernels else None
-        for layer in range(cfg.num_hidden_layers):
-            if cfg.moe.is_moe_layer(layer):
-                experts = stacked_experts(*read_experts(spec.model_dir, layer, self.slots, spec.dtype))
-                if kernel is not None and kernel.supports(experts.gate_up_proj, experts.down_proj):
-                    experts.use_kernel(kernel)
-                self.layers[layer] = experts
+        experts: dict[int, GroupedExperts] = {}
+        for layer in self.moe_layers:
+            stack = stacked_experts(*read_experts(spec.model_dir, layer, self.slots, spec.dtype))
+            if kernel is not None and kernel.supports(stack.gate_up_proj, stack.down_proj):
+                stack.use_kernel(kernel)
+            experts[layer] = stack
+        self.held: dict[int, Placed] = {0: Placed(0, {layer: list(self.slots) for layer in self.moe_layers}, experts)}
+        self.newest = 0
+        self.counts = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.int64)  # rows per expert
+        self._row_of = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self._loading: tuple[int, threading.Thread] | None = None
+        self._loaded: Placed | BaseException | None = None  # the loader's result, installed by `settle`
         self.rows_computed = 0
         logger.info("expert worker %d/%d: experts %s of %d MoE layers (%s)", spec.rank, spec.size, self.slots,
-                    len(self.layers), "C kernel" if kernel is not None else "PyTorch")
+                    len(self.moe_layers), "C kernel" if kernel is not None else "PyTorch")
 
     @property
     def dtype_name(self) -> str:
         return str(self.spec.dtype).removeprefix("torch.")
 
-    def compute(self, layer: int, rows: torch.Tensor, local_slots: torch.Tensor) -> torch.Tensor:
-        """rows [n, hidden] through the experts of `local_slots` [n] (int64, each < len(slots)) of `layer`."""
-        experts = self.layers[layer]
+    @property
+    def slots_per_worker(self) -> int:
+        return self.map.slots_per_rank
+
+    def holds(self, epoch: int) -> bool:
+        return epoch in self.held
+
+    def compute(self, layer: int, rows: torch.Tensor, local_slots: torch.Tensor, epoch: int = 0) -> torch.Tensor:
+        """rows [n, hidden] through the experts of `local_slots` [n] (int64, each < slots_per_worker) of `layer`,
+        under placement `epoch` (which this worker holds)."""
+        placed = self.held[epoch]
+        placed.used_at = time.monotonic()
         if rows.shape[0] == 0:
             return rows
         self.rows_computed += rows.shape[0]
+        per_slot = torch.bincount(local_slots, minlength=self.slots_per_worker)
+        self.counts[self._row_of[layer]].index_add_(0, placed.logical[layer], per_slot)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32)
-        return experts(rows, ExpertGroups.of(local_slots.unsqueeze(1), ones, len(self.slots)))
+        return placed.experts[layer](rows, ExpertGroups.of(local_slots.unsqueeze(1), ones, self.slots_per_worker))
+
+    # ---- placements (EPLB) ---------------------------------------------------------------------
+
+    def place(self, epoch: int, placement: list[list[int]]) -> None:
+        """Start loading placement `epoch` (a no-op if it is held or loading); PlacementRefused if it is
+        malformed, older than the newest held, or another one is still loading."""
+        if epoch in self.held or (self._loading is not None and self._loading[0] == epoch):
+            return
+        if epoch < self.newest:
+            raise PlacementRefused(f"placement epoch {epoch} is older than the newest held here ({self.newest})")
+        if self._loading is not None:
+            raise PlacementRefused(f"placement epoch {self._loading[0]} is still loading here")
+        mine = self._own_slots(placement)
+        thread = threading.Thread(target=self._load, args=(epoch, mine, self.held[self.newest]), daemon=True,
+                                  name=f"kvbaton-expert-place-{epoch}")
+        self._loading = (epoch, thread)
+        thread.start()
+
+    def _own_slots(self, placement: list[list[int]]) -> dict[int, list[int]]:
+        """This worker's slots of every layer in a pool-wide placement, once the placement checks out."""
+        per, size = self.slots_per_worker, self.spec.size
+        if len(placement) != len(self.moe_layers):
+            raise PlacementRefused(f"a placement of {len(placement)} layers for {len(self.moe_layers)} MoE layers")
+        mine = {}
+        for layer, row in zip(self.moe_layers, placement):
+            if len(row) != per * size or any(not 0 <= e < self.num_experts for e in row) \
+                    or len(set(row)) != self.num_experts:
+                raise PlacementRefused(f"layer {layer}'s placement is not {per * size} slots covering each of the "
+                                       f"{self.num_experts} experts")
+            mine[layer] = list(row[self.spec.rank * per:(self.spec.rank + 1) * per])
+        return mine
+
+    def _load(self, epoch: int, slots: dict[int, list[int]], current: Placed) -> None:
+        try:
+            read = functools.partial(read_experts, self.spec.model_dir, dtype=self.spec.dtype)
+            experts = {layer: restacked(current.experts[layer], current.slots[layer], wanted,
+                                        functools.partial(read, layer)) for layer, wanted in slots.items()}
+            self._loaded = Placed(epoch, slots, experts)
+        except BaseException as exc:  # noqa: BLE001 - reported by `settle` on the serving thread
+            self._loaded = exc
+
+    def wait_loaded(self, epoch: int) -> None:
+        """Block until placement `epoch` is loaded, where it is loading (a dispatch at it came first)."""
+        if self._loading is not None and self._loading[0] == epoch:
+            self._loading[1].join()
+            self.settle()
+
+    def settle(self) -> None:
+        """On the serving thread: hold a finished load as the newest placement, and drop older ones nobody sends
+        at any more (the newest is always kept)."""
+        if self._loading is not None and not self._loading[1].is_alive():
+            epoch, loaded = self._loading[0], self._loaded
+            self._loading, self._loaded = None, None
+            if isinstance(loaded, Placed):
+                self.held[epoch] = loaded
+                self.newest = epoch
+                logger.info("expert worker %d: placement epoch %d ready (first MoE layer: %s)", self.spec.rank,
+                            epoch, loaded.slots[self.moe_layers[0]])
+            else:
+                logger.error("expert worker %d: loading placement epoch %d failed: %s", self.spec.rank, epoch, loaded)
+        newest = self.held[self.newest]
+        now = time.monotonic()
+        for epoch in [e for e in self.held if e != self.newest]:
+            if now - max(self.held[epoch].used_at, newest.used_at) > RETAIN_S:
+                del self.held[epoch]
+                logger.info("expert worker %d: placement epoch %d dropped", self.spec.rank, epoch)

@@ -71,10 +71,12 @@ class ExpertRole(Role):
         return True  # each exchange is answered before the next is read: nothing is left in flight to drain
 
     def load(self, seq: int) -> WorkerLoad:
-        s = self.server.stats
+        s, shard = self.server.stats, self.shard
+        epoch = shard.newest  # NOTE: read once: the exchange thread installs a placement in `held` before `newest`
         exchange = ExchangeLoad(exchanges=s.exchanges, rows=s.rows, bytes_in=s.bytes_in, bytes_out=s.bytes_out,
                                 busy_s=s.busy_s, alive_s=time.monotonic() - self.server.started,
-                                refused_frames=s.refused_frames, shared=s.shared)
+                                refused_frames=s.refused_frames, shared=s.shared, epoch=epoch,
+                                owns=shard.held[epoch].slots)
         return WorkerLoad(EngineStats(), 0, 0, seq, exchange)
 
     def close(self) -> None:
