@@ -118,19 +118,22 @@ async def _kill_mid_stream(router, prompts, victim: str, tag: str):
     return outs, time.monotonic() - killed
 
 
-@pytest.mark.parametrize(("attention", "experts", "micro_batches"), [(1, 1, 2), (2, 2, 0)], ids=["1:1-m2", "2:2-auto"])
-def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention, experts, micro_batches):
+@pytest.mark.parametrize(("attention", "experts", "micro_batches", "eplb"), [(1, 1, 2, False), (2, 2, 0, True)],
+                         ids=["1:1-m2", "2:2-auto-eplb"])
+def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention, experts, micro_batches, eplb):
     """SIGKILL an expert worker while every stream decodes (the only one in 1:1): the attention workers' exchanges
     in flight on it fail at once (the connection dropped), those requests continue from their streamed tokens,
     the pool starts a replacement on the same port, and every stream completes with transformers' tokens, none
-    lost or repeated. In 2:2, an attention worker is SIGKILLed next: its requests continue on the other one."""
+    lost or repeated. In 2:2, an attention worker is SIGKILLed next: its requests continue on the other one; and
+    EPLB moves experts every 2 busy steps: the replacement expert worker is handed the placement in use."""
     prompts, refs = references
     victim = f"kvbaton-expert-{experts - 1}"
+    balance = {"num_redundant_experts": 2, "eplb_interval_steps": 2} if eplb else {}
 
     async def scenario():
         async with router_over(moe_model, prefill=0, decode=attention, expert_workers=experts,
                                afd_micro_batches=micro_batches, max_failed_attempts=3,
-                               decode_policy="round_robin") as router:
+                               decode_policy="round_robin", **balance) as router:
             results = [await _kill_mid_stream(router, prompts, victim, "e")]
             await async_wait_until(lambda: victim in router.pool.workers, 60.0, interval_s=0.05,
                                    message="the expert worker was not replaced")
@@ -140,6 +143,8 @@ def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention
             return results, again, router.workers_view()
 
     results, again, view = run(scenario())
+    if eplb:  # the replacement holds a placement EPLB made, not only the first one
+        assert {w["name"]: w["experts"]["placement_epoch"] > 0 for w in view if w["role"] == "expert"}[victim]
     print("every stream done " + ", ".join(f"{done:.2f} s" for _, done in results) + " after each kill")
     assert all(outs == refs for outs, _ in results) and again == refs
     restarts = {w["name"]: w["restarts"] for w in view}

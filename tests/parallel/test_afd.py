@@ -93,7 +93,7 @@ def test_afd_matches_colocated_for_every_micro_batch_count(arch, afd_models, col
     shared = arch != "mixtral"
     with expert_pool(afd_models[arch], 2, monkeypatch, encrypt=not shared) as experts:
         if not shared:  # a plain client cannot even say hello to an encrypted expert worker
-            with pytest.raises(ExpertPoolError, match="did not answer"):
+            with pytest.raises(ExpertPoolError, match="refused the handshake|did not answer"):
                 _attention(afd_models[arch], experts, shared_memory=False, timeout_s=1)
         llm = _attention(afd_models[arch], experts, shared_memory=shared, encrypt=not shared)
         for m in (1, 2, 3, 4):

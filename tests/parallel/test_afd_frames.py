@@ -110,7 +110,7 @@ def test_a_valid_hello_and_dispatch_are_answered(dealer, server):
     dealer.send(request.encode(PoolHello("a", server.shard.hidden, "float32", server.shard.num_experts)))
     welcome = reply(dealer, server)
     assert isinstance(welcome, PoolWelcome) and welcome.epoch == 0
-    assert welcome.slots == [list(server.shard.slots)] * len(server.shard.moe_layers)
+    assert welcome.placement == [list(server.shard.map.physical_to_logical)] * len(server.shard.moe_layers)
     assert_still_serves(dealer, server)
 
 

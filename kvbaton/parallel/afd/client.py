@@ -70,6 +70,7 @@ UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # a (
 LOCAL_RETRY_S = 0.05  # how often a post tries to reach a same-host expert worker's Unix socket again
 RESYNC_S = 5.0  # after this long without an exchange, ask the pool for its placement before the next step
 # (well under the expert workers' RETAIN_S: an idle attention worker catches up before its epoch is dropped)
+PLAN_PATIENCE_STEPS = 50  # busy steps a leader waits for its last plan to be adopted before it plans anew
 CONTROL = (PoolWelcome, Placing, PoolLoad)  # the answers a step does not wait for: taken by `_control`
 
 
@@ -140,11 +141,13 @@ class ExpertPoolClient:
         self._hello = PoolHello(name, hidden, self.dtype_name, num_experts)
         self.epoch = 0  # the placement this worker routes by
         self.maps: dict[int, ExpertMap] = {}  # per MoE layer, at `epoch`
+        self._placement: list[list[int]] = []  # the same, as PlaceExperts carries it
         self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer: (slot table, copies)
         self._ready = [0 for _ in config.experts]  # per worker: the newest epoch it said it holds
         self._needs_place: set[int] = set()  # workers to tell the placement in use (a replacement)
         self._last_exchange = time.monotonic()
         self._placing = 0  # the newest epoch this worker (the leader) handed out
+        self._placed_at = 0  # in busy steps (an epoch never adopted is given up after PLAN_PATIENCE_STEPS)
         self.rebalances = 0  # newer placements switched to
         self.balancer = PoolBalancer(config.rebalance_interval_steps, num_experts, num_groups,
                                      "active_experts" if config.balance_objective == "active_experts" else "tokens",
@@ -200,16 +203,19 @@ class ExpertPoolClient:
             if (w.hidden, w.dtype, w.num_experts) != (self.hidden, self.dtype_name, self.num_experts):
                 raise ConfigError(f"expert worker {where} serves hidden {w.hidden}, {w.dtype}, {w.num_experts} "
                                   f"experts; this model has {self.hidden}, {self.dtype_name}, {self.num_experts}")
-            if sorted(w.layers) != sorted(self.moe_layers) or len(w.slots) != len(w.layers):
+            if sorted(w.layers) != sorted(self.moe_layers) or len(w.placement) != len(w.layers):
                 raise ConfigError(f"expert worker {where} holds MoE layers {w.layers}, this model has "
                                   f"{self.moe_layers}")
             self._ready[worker] = w.epoch
-        if len({w.epoch for w in welcomes}) > 1:
+        if len({w.epoch for w in welcomes}) > 1 or any(w.placement != welcomes[0].placement for w in welcomes):
             return False
-        slots = [dict(zip(w.layers, w.slots, strict=True)) for w in welcomes]
-        self.maps = {layer: ExpertMap(tuple(s for held in slots for s in held[layer]), size)
-                     for layer in self.moe_layers}
+        rows = dict(zip(welcomes[0].layers, welcomes[0].placement, strict=True))
+        try:
+            self.maps = {layer: ExpertMap(tuple(rows[layer]), size) for layer in self.moe_layers}
+        except ValueError as exc:
+            raise ExpertPoolError(f"the expert pool's placement does not split over its workers: {exc}") from exc
         self.epoch = welcomes[0].epoch
+        self._placement = [list(self.maps[layer].physical_to_logical) for layer in self.moe_layers]  # what it hands on
         self._tables.clear()
         return True
 
@@ -256,8 +262,13 @@ class ExpertPoolClient:
         for worker, n in enumerate(counts):
             if not n:
                 continue
+            # NOTE: a replacement holds placement 0 only: the placement in use goes first, and the dispatch after
+            # it on the same socket (not the Unix one, which could overtake it): the worker loads, then serves it
+            placing = bool(self.epoch) and (worker in self._down or worker in self._needs_place)
+            if placing:
+                self.stats.bytes_sent += self._send_placement(worker)
             msg = self._dispatch(worker, ticket, layer, rows[start:start + n], local[start:start + n])
-            self.stats.bytes_sent += self._send(worker, msg)
+            self.stats.bytes_sent += self._send(worker, msg, local=not placing)
             self._awaiting[worker].add(ticket)
             parts.append((worker, n))
             start += n
@@ -266,9 +277,10 @@ class ExpertPoolClient:
         self._last_exchange = time.monotonic()
         return Pending(ticket, parts, order, x, ids, weights)
 
-    def _send(self, worker: int, msg: DispatchRows | DispatchShared) -> int:
-        """Send a dispatch to `worker` (over its Unix socket where it has one up); the frame's bytes."""
-        sock = self._local_socket(worker) if isinstance(msg, DispatchShared) else None
+    def _send(self, worker: int, msg: DispatchRows | DispatchShared, local: bool = True) -> int:
+        """Send a dispatch to `worker` (over its Unix socket where it has one up, unless not `local`); the
+        frame's bytes."""
+        sock = self._local_socket(worker) if local and isinstance(msg, DispatchShared) else None
         if sock is not None:
             frame = self._local_requests.encode(msg)
             try:
@@ -279,6 +291,14 @@ class ExpertPoolClient:
         frame = self._requests.encode(msg)
         self._note_disconnects(worker)  # before the send: a drop seen later can only have taken this frame
         self._sockets[worker].send(frame, copy=False)
+        return len(frame)
+
+    def _send_placement(self, worker: int) -> int:
+        """Hand `worker` the placement in use without waiting (its `Placing` answer is dropped: a refusal shows
+        as a failed dispatch, and `between_steps` tries again); the frame's bytes."""
+        frame = self._requests.encode(PlaceExperts(self.epoch, self._placement))
+        self._sockets[worker].send(frame, copy=False)
+        self._needs_place.discard(worker)
         return len(frame)
 
     def _local_socket(self, worker: int) -> socket.socket | None:
@@ -405,18 +425,16 @@ class ExpertPoolClient:
         interval of busy steps. ExpertPoolError if an expert worker fails to answer (the step fails)."""
         down = self.down
         if self.epoch and self._needs_place - down:
-            placement = self._placement_now()
             for worker in sorted(self._needs_place - down):
-                self._place(worker, self.epoch, placement)
+                self._place(worker, self.epoch, self._placement)
         if down:
-            return
-        if min(self._ready) > self.epoch or time.monotonic() - self._last_exchange > RESYNC_S:
-            self._switch()
-        if busy and self.balancer is not None and self.balancer.due() and self._placing <= self.epoch:
-            self._rebalance()
-
-    def _placement_now(self) -> list[list[int]]:
-        return [list(self.maps[layer].physical_to_logical) for layer in self.moe_layers]
+            return  # (EPLB waits too: a plan needs every expert worker's load and every one to load it)
+        if any(r != self.epoch for r in self._ready) or time.monotonic() - self._last_exchange > RESYNC_S:
+            self._sync()
+        if busy and self.balancer is not None and self.balancer.due():
+            pending = self._placing > self.epoch and self.balancer.busy_steps < self._placed_at + PLAN_PATIENCE_STEPS
+            if not pending:
+                self._rebalance()
 
     def _place(self, worker: int, epoch: int, placement: list[list[int]]) -> bool:
         """Hand `worker` placement `epoch`; whether it holds or loads it now."""
@@ -428,11 +446,17 @@ class ExpertPoolClient:
         self._needs_place.discard(worker)
         return True
 
-    def _switch(self) -> None:
-        """Route by the pool's newest placement, if every expert worker holds it."""
+    def _sync(self) -> None:
+        """Catch the pool up to the newest placement any of its expert workers holds (hand it to those behind: a
+        replacement, one that missed a plan), and route by it once every one holds it."""
         self._last_exchange = time.monotonic()
+        welcomes = self._welcomes()
+        newest = max(welcomes, key=lambda w: w.epoch)
+        for worker, w in enumerate(welcomes):
+            if w.epoch < newest.epoch:
+                self._place(worker, newest.epoch, newest.placement)
         before = self.epoch
-        if self._adopt(self._welcomes()) and self.epoch != before:
+        if self._adopt(welcomes) and self.epoch != before:
             self.rebalances += 1
             logger.info("expert pool: placement epoch %d (was %d); first MoE layer: %s", self.epoch, before,
                         self.maps[self.moe_layers[0]].physical_to_logical)
@@ -446,10 +470,8 @@ class ExpertPoolClient:
         if placement is None:
             return
         epoch = max(self.epoch, self._placing, *self._ready) + 1
-        self._placing = epoch
+        self._placing, self._placed_at = epoch, self.balancer.busy_steps
         placed = sum(self._place(w, epoch, placement) for w in range(len(self._sockets)))
-        if placed < len(self._sockets):  # some worker is still loading another: plan again next interval
-            self._placing = self.epoch
         logger.info("expert pool: EPLB placement epoch %d handed to %d of %d expert workers", epoch, placed,
                     len(self._sockets))
 
@@ -463,6 +485,10 @@ class ExpertPoolClient:
             if ticket in self._lost:
                 raise ExpertPoolError(f"expert worker {self.config.experts[worker]} dropped its connection with an "
                                       "exchange in flight (it died)")
+            if ticket is None and worker in self._down:  # a control frame's answer: it went with the connection
+                raise ExpertPoolError(f"expert worker {self.config.experts[worker]} dropped the connection before "
+                                      "it answered (it died, or refused the handshake: --encrypt-traffic on one "
+                                      "side only?)")
             poller = zmq.Poller()
             poller.register(zsocket, zmq.POLLIN)
             poller.register(self._monitors[worker], zmq.POLLIN)

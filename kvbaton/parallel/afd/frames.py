@@ -33,8 +33,8 @@ class PoolHello(msgspec.Struct, tag="hello", frozen=True):
 class PoolWelcome(msgspec.Struct, tag="welcome", frozen=True):
     rank: int  # this expert worker's place in the pool
     size: int  # expert workers in the pool
-    epoch: int  # the newest placement it holds, which `slots` is of
-    slots: list[list[int]]  # per MoE layer (in `layers` order): the logical expert each of its slots holds
+    epoch: int  # the newest placement it holds
+    placement: list[list[int]]  # that placement, pool-wide: per MoE layer (`layers` order), every slot's expert
     layers: list[int]  # the decoder layers whose experts it holds
     hidden: int
     dtype: str

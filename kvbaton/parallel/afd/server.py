@@ -250,7 +250,7 @@ class ExpertServer:
         shard, probe = self.shard, self._probe
         newest = shard.held[shard.newest]
         return PoolWelcome(rank=shard.spec.rank, size=shard.spec.size, epoch=shard.newest,
-                           slots=[newest.slots[layer] for layer in shard.moe_layers], layers=shard.moe_layers,
+                           placement=newest.pool, layers=shard.moe_layers,
                            hidden=shard.hidden, dtype=shard.dtype_name, num_experts=shard.num_experts,
                            probe=probe.segment.name if probe else "", probe_token=probe.token if probe else b"",
                            local=self._local.name if self._local is not None else "")

@@ -55,6 +55,7 @@ class Placed:
     """One placement epoch as this worker holds it: per MoE layer, its slots' logical experts and their weights."""
 
     epoch: int
+    pool: list[list[int]]  # the placement pool-wide: per MoE layer, every slot's logical expert (as PlaceExperts)
     slots: dict[int, list[int]]
     experts: dict[int, GroupedExperts]
     logical: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: slot -> logical expert (int64)
@@ -85,7 +86,9 @@ class ExpertShard:
             if kernel is not None and kernel.supports(stack.gate_up_proj, stack.down_proj):
                 stack.use_kernel(kernel)
             experts[layer] = stack
-        self.held: dict[int, Placed] = {0: Placed(0, {layer: list(self.slots) for layer in self.moe_layers}, experts)}
+        first = [list(self.map.physical_to_logical)] * len(self.moe_layers)
+        self.held: dict[int, Placed] = {0: Placed(0, first, {layer: list(self.slots) for layer in self.moe_layers},
+                                                  experts)}
         self.newest = 0
         self.counts = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.int64)  # rows per expert
         self._row_of = {layer: i for i, layer in enumerate(self.moe_layers)}
@@ -131,7 +134,8 @@ class ExpertShard:
         if self._loading is not None:
             raise PlacementRefused(f"placement epoch {self._loading[0]} is still loading here")
         mine = self._own_slots(placement)
-        thread = threading.Thread(target=self._load, args=(epoch, mine, self.held[self.newest]), daemon=True,
+        pool = [list(row) for row in placement]
+        thread = threading.Thread(target=self._load, args=(epoch, pool, mine, self.held[self.newest]), daemon=True,
                                   name=f"kvbaton-expert-place-{epoch}")
         self._loading = (epoch, thread)
         thread.start()
@@ -150,12 +154,12 @@ class ExpertShard:
             mine[layer] = list(row[self.spec.rank * per:(self.spec.rank + 1) * per])
         return mine
 
-    def _load(self, epoch: int, slots: dict[int, list[int]], current: Placed) -> None:
+    def _load(self, epoch: int, pool: list[list[int]], slots: dict[int, list[int]], current: Placed) -> None:
         try:
             read = functools.partial(read_experts, self.spec.model_dir, dtype=self.spec.dtype)
             experts = {layer: restacked(current.experts[layer], current.slots[layer], wanted,
                                         functools.partial(read, layer)) for layer, wanted in slots.items()}
-            self._loaded = Placed(epoch, slots, experts)
+            self._loaded = Placed(epoch, pool, slots, experts)
         except BaseException as exc:  # noqa: BLE001 - reported by `settle` on the serving thread
             self._loaded = exc
 
