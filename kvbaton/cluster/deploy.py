@@ -73,9 +73,6 @@ class DeploymentSpec:
         for policy in (self.router.prefill_policy, self.router.decode_policy):
             if policy not in POLICIES:
                 raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
-        if self.pool.expert_workers and self.backend == Backend.RAY:
-            raise ConfigError("--expert-workers runs on local processes only so far: the Ray backend does not place "
-                              "an expert pool yet")
         if self.encrypt_traffic:
             try:
                 require_curve()

@@ -63,6 +63,10 @@ class LocalLauncher:
                 self.kill(spec.name)
             raise
 
+    def launch_gang(self, specs: list[WorkerSpec], joining: list[str]) -> None:
+        """Local processes need no placement: the workers that join later are started by `launch`."""
+        self.launch_group(specs)
+
     def is_alive(self, name: str) -> bool:
         worker = self.workers.get(name)
         return worker is not None and worker.proc.poll() is None

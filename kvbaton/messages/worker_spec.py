@@ -39,8 +39,8 @@ class ConnectorSpec(msgspec.Struct, frozen=True, kw_only=True):
 class ExpertSlot(msgspec.Struct, frozen=True, kw_only=True):
     """An expert worker's place in the AFD expert pool: rank `rank` of `size` (it owns that rank's experts of the
     contiguous placement, and with `redundant` slots copies of the next ranks'), its exchange socket on `port` of
-    the worker's host. The pool chooses the port, so a
-    replacement listens where the attention workers already connect."""
+    the worker's host: 0 (the OS's choice) at the first start; the pool then keeps the port the worker's hello
+    names, so a replacement listens where the attention workers already connect."""
 
     rank: int
     size: int

@@ -37,6 +37,13 @@ class Launcher(Protocol):
         group, a bundle per rank, all or nothing) or not at all. Each rank stays a worker of its own name."""
         ...
 
+    def launch_gang(self, specs: list[WorkerSpec], joining: list[str]) -> None:
+        """Start `specs` placed together with the workers named `joining`, which `launch` starts later into the
+        places kept for them (an AFD deployment: the expert pool first, the attention workers once its addresses
+        are known). Ray: one placement group, a bundle per worker, all or nothing; a replacement goes back into
+        its worker's bundle while the group lives. Local processes: `specs` started in turn."""
+        ...
+
     def is_alive(self, name: str) -> bool:
         """Whether the worker's process still runs."""
         ...

@@ -36,7 +36,7 @@ from kvbaton.messages.router_worker import (
     WorkerLoad,
     WorkerOutputs,
 )
-from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, ExpertSlot, WorkerRole, WorkerSpec
+from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, ExpertSlot, WorkerRole, WorkerSpec, worker_name
 from kvbaton.router.errors import EngineDeadError
 from kvbaton.router.expert_view import expert_view
 from kvbaton.router.launcher import Launcher
@@ -232,28 +232,46 @@ class WorkerPool:
         self.address = f"tcp://{self.host}:{port}"
         self._guard.spawn(self._event_loop(), "event loop", forever=True)
         self._guard.spawn(self._watchdog(), "watchdog", forever=True)
-        if self.config.expert_workers:
-            # NOTE: the expert pool first: an attention worker's engine connects to every expert worker as it starts
-            ports = [free_port(self.host) for _ in range(self.config.expert_workers)]
-            self._expert_exchanges = tuple(f"tcp://{self.host}:{port}" for port in ports)
-            experts = [name for port in ports for name in await self._add_unit(WorkerRole.EXPERT, port)]
-            await self.wait_for_workers(experts, self.config.start_timeout_s)
         decode_role = WorkerRole.DECODE if num_prefill else WorkerRole.BOTH
+        if self.config.expert_workers:
+            await self._start_expert_pool(decode_role, num_decode)
         names = [n for _ in range(num_prefill) for n in await self._add_unit(WorkerRole.PREFILL)]
         names += [n for _ in range(num_decode) for n in await self._add_unit(decode_role)]
         await self.wait_for_workers(names, self.config.start_timeout_s)
+
+    async def _start_expert_pool(self, attention_role: WorkerRole, num_attention: int) -> None:
+        """The expert pool first (an attention worker's engine connects to every expert worker as it starts),
+        placed together with the attention workers to come (`Launcher.launch_gang`: on Ray, one placement
+        group). Each expert worker binds a port of the OS's choice and says which in its hello; its spec then
+        keeps that port, so a replacement listens where the attention workers connect."""
+        specs = [self._expert_spec(self.engine_config) for _ in range(self.config.expert_workers)]
+        first = self._next_index[attention_role]
+        joining = [worker_name(attention_role, first + i) for i in range(num_attention)]
+        self._launched_at.update((spec.name, time.monotonic()) for spec in specs)
+        await asyncio.to_thread(self.launcher.launch_gang, specs, joining)
+        for spec in specs:
+            self.supervisor.add(spec)
+        await self.wait_for_workers([spec.name for spec in specs], self.config.start_timeout_s)
+        exchanges = []
+        for spec in specs:
+            served, slot = self.workers[spec.name].experts, spec.expert_slot
+            assert served is not None and slot is not None
+            port = int(served.address.rsplit(":", 1)[1])
+            self.supervisor.slots[spec.name].spec = msgspec.structs.replace(
+                spec, expert_slot=msgspec.structs.replace(slot, port=port))
+            exchanges.append(served.address)
+        self._expert_exchanges = tuple(exchanges)
 
     async def add_worker(self, role: WorkerRole) -> str:
         """Start one more worker in `role` (an expert-parallel group: all its ranks; their names, joined by
         commas); it joins the pool when it says hello."""
         return ",".join(await self._add_unit(role))
 
-    async def _add_unit(self, role: WorkerRole, expert_port: int = 0) -> list[str]:
-        engine = self.prefill_engine_config if role == WorkerRole.PREFILL else self.engine_config
+    async def _add_unit(self, role: WorkerRole) -> list[str]:
         if role == WorkerRole.EXPERT:
-            specs = [self._expert_spec(engine, expert_port)]
-        else:
-            specs = self._unit_specs(role, engine)
+            raise ValueError("expert workers are started with the pool (--expert-workers), not added one by one")
+        engine = self.prefill_engine_config if role == WorkerRole.PREFILL else self.engine_config
+        specs = self._unit_specs(role, engine)
         self._launched_at.update((spec.name, time.monotonic()) for spec in specs)
         # NOTE: off the event loop: a Ray launch waits for its placement group. A group's ranks are all
         # launched before any is waited for: each waits for the others at its rendezvous.
@@ -267,13 +285,12 @@ class WorkerPool:
                 self._ep_groups[spec.name] = spec.ep_group
         return [spec.name for spec in specs]
 
-    def _expert_spec(self, engine: EngineConfig, port: int) -> WorkerSpec:
-        """An expert worker's spec: its rank of the expert pool is its index (it keeps both when replaced)."""
-        if not port:
-            raise ValueError("expert workers are started with the pool (--expert-workers), not added one by one")
+    def _expert_spec(self, engine: EngineConfig) -> WorkerSpec:
+        """An expert worker's spec: its rank of the expert pool is its index (it keeps both when replaced); its
+        port is the OS's choice until its hello says which (`_start_expert_pool`)."""
         rank = self._next_index[WorkerRole.EXPERT]
         return self._spec(WorkerRole.EXPERT, engine,
-                          expert_slot=ExpertSlot(rank=rank, size=self.config.expert_workers, port=port,
+                          expert_slot=ExpertSlot(rank=rank, size=self.config.expert_workers, port=0,
                                                  redundant=self.config.num_redundant_experts))
 
     def _unit_specs(self, role: WorkerRole, engine: EngineConfig) -> list[WorkerSpec]:

@@ -31,8 +31,8 @@ def launchers() -> list[Launcher]:
 
 
 def test_the_protocol_has_the_methods_the_pool_drives():
-    assert PROTOCOL_METHODS == ["start", "launch", "launch_group", "is_alive", "pid", "kill", "stop", "stop_all",
-                                "close"]
+    assert PROTOCOL_METHODS == ["start", "launch", "launch_group", "launch_gang", "is_alive", "pid", "kill", "stop",
+                                "stop_all", "close"]
 
 
 @pytest.mark.parametrize("cls", [LocalLauncher, RayLauncher])

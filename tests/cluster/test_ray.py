@@ -463,3 +463,58 @@ def test_expert_parallel_groups_through_ray(launcher, tiny_moe_models):
     assert sorted(sorted(g) for g in by_group.values()) == [
         [("kvbaton-decode-0", 0), ("kvbaton-decode-1", 1)], [("kvbaton-prefill-0", 0), ("kvbaton-prefill-1", 1)]]
     assert live_groups() == {} and launcher.list_workers() == []
+
+
+def test_an_afd_deployment_is_gang_placed_and_a_dead_expert_worker_returns_to_its_bundle(launcher, tiny_moe_models):
+    """1 attention worker over 2 expert workers (EPLB on): the three in one PACK placement group, a bundle each,
+    serving transformers' tokens; an expert worker killed is replaced in its own bundle, on the port the attention
+    worker connects to, and the deployment serves on."""
+    import asyncio
+
+    from kvbaton.router.router import Router, RouterConfig
+    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
+    from kvbaton.sched.sampling_params import SamplingParams
+    from kvbaton.text.tokenizer import Tokenizer
+    from tests.support.helpers import hf_greedy
+
+    model = tiny_moe_models["qwen3_moe"]
+    prompts = [[(3 * i + 5 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([5, 17, 9])]
+    launcher.cpus_per_worker = 0.5
+
+    async def generate(router: Router, request_id: str, prompt: list[int]) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        tokens: list[int] = []
+        async for out in router.generate(request_id, None, prompt, params):
+            tokens = list(out.outputs[0].token_ids)
+        return tokens
+
+    async def scenario():
+        config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0, expert_workers=2,
+                            afd_micro_batches=2, num_redundant_experts=2, eplb_interval_steps=2)
+        pool = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
+                          ConnectorSpec(transport="shm"), host=launcher.start())
+        router = Router(pool, Tokenizer(model), RouterConfig(local_prefill_threshold=0))
+        try:
+            await router.start(0, 1)
+            outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))
+            placed = {(w.name, w.bundle_index): w.placement_group_id for w in launcher.list_workers()}
+            exchange = pool.workers["kvbaton-expert-1"].experts.address
+            await asyncio.to_thread(launcher.kill, "kvbaton-expert-1")  # how the router fences a dead worker
+            await async_wait_until(
+                lambda: pool.supervisor.restarts("kvbaton-expert-1") and "kvbaton-expert-1" in pool.workers,
+                120.0, interval_s=0.1, message="the pool did not replace kvbaton-expert-1")
+            replaced = {(w.name, w.bundle_index): w.placement_group_id for w in launcher.list_workers()}
+            again = await asyncio.gather(*(generate(router, f"again{i}", p) for i, p in enumerate(prompts)))
+            return outs + again, placed, replaced, exchange, pool.workers["kvbaton-expert-1"].experts.address
+        finally:
+            await router.shutdown()
+
+    try:
+        outs, placed, replaced, exchange, exchange_after = asyncio.run(asyncio.wait_for(scenario(), 300))
+    finally:
+        launcher.cpus_per_worker = None
+    assert outs == hf_greedy(model, prompts, 10) * 2
+    assert sorted(placed) == [("kvbaton-both-0", 2), ("kvbaton-expert-0", 0), ("kvbaton-expert-1", 1)]
+    assert len(set(placed.values())) == 1, "one placement group for the whole deployment"
+    assert replaced == placed and exchange_after == exchange
+    assert live_groups() == {} and launcher.list_workers() == []

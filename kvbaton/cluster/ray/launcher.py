@@ -82,6 +82,7 @@ class RayLauncher:
         self.gcs_address: str | None = None  # set while connected
         self.exit_codes: dict[str, int | None] = {}  # by worker name, as last stopped (None: unknown)
         self._hosted: dict[str, _Hosted] = {}
+        self._gangs: dict[str, tuple[PlacementGroup, int, float]] = {}  # by worker name: its gang's group, bundle
         self._owns_connection = False
         self._saved_mode: SavedClusterMode | None = None
 
@@ -128,8 +129,16 @@ class RayLauncher:
     # ---- workers -------------------------------------------------------------------------
 
     def launch(self, spec: WorkerSpec) -> None:
-        """Place one worker and start it (see `launch_many`)."""
-        self.launch_many([spec])
+        """Start one worker: into its bundle if it belongs to a gang whose placement group lives (`launch_gang`;
+        a replacement too), else in a placement group of its own (see `launch_many`)."""
+        place = self._gangs.get(spec.name)
+        if place is None:
+            self.launch_many([spec])
+            return
+        if spec.name in self._hosted:
+            raise ValueError(f"{spec.name} is running already")
+        pg, bundle, cpus = place
+        self._hosted[spec.name] = self._host(spec, pg, cpus, _Secret(self.secret), bundles=[bundle])
 
     def launch_many(self, specs: Sequence[WorkerSpec], cpus_per_worker: float | None = None) -> list[RayWorker]:
         """Reserve a placement group per worker (all or nothing, see `reserve`) and start the
@@ -171,6 +180,31 @@ class RayLauncher:
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
             raise
+
+    def launch_gang(self, specs: list[WorkerSpec], joining: list[str]) -> None:
+        """`specs` and the workers named `joining` in one PACK placement group, a bundle each (all or nothing);
+        `specs` start now, each of `joining` when `launch` is called for it, into its bundle. Every bundle has
+        the same CPUs (`cpus_per_worker`, else the first spec's threads)."""
+        names = [s.name for s in specs] + list(joining)
+        if len(set(names)) < len(names) or set(names) & set(self._hosted):
+            raise ValueError(f"worker names must be unique and not running yet: {', '.join(names)}")
+        self.start()
+        cpus = self.cpus_per_worker or specs[0].engine.num_threads or 1
+        [pg] = self.reserve(specs[:1], cpus, ranks=len(names))
+        self._gangs.update({name: (pg, bundle, cpus) for bundle, name in enumerate(names)})
+        sealed = _Secret(self.secret)
+        try:
+            for spec in specs:
+                self._hosted[spec.name] = self._host(spec, pg, cpus, sealed, bundles=[self._gangs[spec.name][1]])
+        except BaseException:
+            self._stop([n for n in names if n in self._hosted], timeout_s=0)
+            self._forget_gang(pg)
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            raise
+
+    def _forget_gang(self, pg: PlacementGroup) -> None:
+        self._gangs = {name: place for name, place in self._gangs.items() if place[0].id != pg.id}
 
     def reserve(self, specs: Sequence[WorkerSpec], cpus_per_worker: float, ranks: int = 1) -> list[PlacementGroup]:
         """One ready PACK placement group per spec, with a `cpus_per_worker` bundle per rank;
@@ -249,6 +283,7 @@ class RayLauncher:
                 ray.kill(actor, no_restart=True)
             if not any(other.pg.id == h.pg.id for other in self._hosted.values()):  # its group's last rank
                 remove_placement_group(h.pg)
+                self._forget_gang(h.pg)
             logger.info("stopped %s (exit code %s)", h.spec.name, codes[h.spec.name])
 
     def close(self) -> None:
