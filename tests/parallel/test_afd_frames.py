@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvbaton.config import AttentionFFNConfig
 from kvbaton.kv.connectors.shm.segments import SHM_DIR, Segment
+from kvbaton.parallel.afd import shard as shard_module
 from kvbaton.parallel.afd import shared_rows
 from kvbaton.parallel.afd.client import ExpertPoolClient
 from kvbaton.parallel.afd.frames import (
@@ -158,7 +159,7 @@ def test_signed_dispatches_it_cannot_serve_fail_that_exchange_only(dealer, serve
     assert_still_serves(dealer, server)
 
 
-def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused(ctx, tiny_moe_models):
+def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused(ctx, tiny_moe_models, monkeypatch):
     """EPLB's frames to an expert worker (a server of its own: it changes placement). Malformed placements are
     refused with the reason, nothing loaded; a valid one (the two workers' experts swapped) loads on the side
     while epoch 0 serves; then a dispatch at epoch 1 goes through the experts it moved in."""
@@ -203,6 +204,19 @@ def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused
         expected = other.compute(msg.layer, rows, slots.flatten().to(torch.int64))
         assert torch.equal(rows_of(got.rows, torch.float32, own.shard.hidden), expected)
         assert_still_serves(sock, own)  # epoch 0 is kept while it is used
+        # ... and dropped once unused for RETAIN_S (here shortened) while epoch 1 serves on
+        monkeypatch.setattr(shard_module, "RETAIN_S", 0.05)
+        msg = DispatchRows(6, msg.layer, 1, msg.rows, msg.slots)
+
+        def served_at_epoch_1_only() -> bool:
+            sock.send(request.encode(msg))
+            assert isinstance(reply(sock, own), CombinedRows)
+            return set(own.shard.held) == {1}
+
+        wait_until(served_at_epoch_1_only, 30.0, interval_s=0.02, message="epoch 0 was never dropped")
+        sock.send(request.encode(DispatchRows(8, msg.layer, 0, msg.rows, msg.slots)))
+        got = reply(sock, own)
+        assert isinstance(got, ExchangeFailed) and got.ready == 1 and "epoch 0" in got.message
     finally:
         sock.close(linger=0)
         own.close()

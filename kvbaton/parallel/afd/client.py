@@ -183,7 +183,7 @@ class ExpertPoolClient:
     def _control(self, worker: int, msg: ToExpert, answer: type[Answer]) -> Answer:
         """Send a control frame to `worker` and wait for its answer (between steps: nothing else waits on it)."""
         self._sockets[worker].send(self._requests.encode(msg), copy=False)
-        reply = self._receive(worker, None)
+        reply = self._receive(worker, None, answer)
         if not isinstance(reply, answer):
             raise ExpertPoolError(f"expert worker {self.config.experts[worker]} answered {type(reply).__name__} "
                                   f"to {type(msg).__name__}")
@@ -475,8 +475,10 @@ class ExpertPoolClient:
         logger.info("expert pool: EPLB placement epoch %d handed to %d of %d expert workers", epoch, placed,
                     len(self._sockets))
 
-    def _receive(self, worker: int, ticket: int | None) -> FromExpert:
-        """The reply of `worker` to `ticket` (None: its welcome); replies to other exchanges in flight are kept."""
+    def _receive(self, worker: int, ticket: int | None, answer: type = PoolWelcome) -> FromExpert:
+        """The reply of `worker` to `ticket` (None: its next control answer of type `answer`; one of another type
+        is left over from a placement sent without waiting, and dropped); replies to other exchanges in flight
+        are kept."""
         if ticket is not None and (worker, ticket) in self._early:
             self._awaiting[worker].discard(ticket)
             return self._early.pop((worker, ticket))
@@ -512,7 +514,7 @@ class ExpertPoolClient:
                 continue
             self._ready[worker] = reply.epoch if isinstance(reply, PoolWelcome) else reply.ready
             if isinstance(reply, CONTROL):
-                if ticket is None:
+                if ticket is None and isinstance(reply, answer):
                     return reply
                 continue
             self._awaiting[worker].discard(reply.ticket)

@@ -60,6 +60,7 @@ class Placed:
     experts: dict[int, GroupedExperts]
     logical: dict[int, torch.Tensor] = field(default_factory=dict)  # per layer: slot -> logical expert (int64)
     used_at: float = field(default_factory=time.monotonic)  # the last dispatch at it (or when it became ready)
+    ready_at: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.logical = {layer: torch.tensor(s, dtype=torch.int64) for layer, s in self.slots.items()}
@@ -170,8 +171,8 @@ class ExpertShard:
             self.settle()
 
     def settle(self) -> None:
-        """On the serving thread: hold a finished load as the newest placement, and drop older ones nobody sends
-        at any more (the newest is always kept)."""
+        """On the serving thread: hold a finished load as the newest placement, and drop an older one once nobody
+        sent at it for RETAIN_S and the newest has been ready as long (the newest is always kept)."""
         if self._loading is not None and not self._loading[1].is_alive():
             epoch, loaded = self._loading[0], self._loaded
             self._loading, self._loaded = None, None
@@ -185,6 +186,6 @@ class ExpertShard:
         newest = self.held[self.newest]
         now = time.monotonic()
         for epoch in [e for e in self.held if e != self.newest]:
-            if now - max(self.held[epoch].used_at, newest.used_at) > RETAIN_S:
+            if now - max(self.held[epoch].used_at, newest.ready_at) > RETAIN_S:
                 del self.held[epoch]
                 logger.info("expert worker %d: placement epoch %d dropped", self.spec.rank, epoch)
