@@ -12,8 +12,10 @@ at its own step: for that while, both are served)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from kvbaton.models.loader import read_experts
 logger = logging.getLogger(__name__)
 
 RETAIN_S = 10.0  # an older placement is kept while an attention worker sent at it this recently
+LOADER_NICENESS = 10  # the placement loader's thread runs at this niceness (Linux: per thread)
 
 
 class PlacementRefused(ValueError):
@@ -94,6 +97,7 @@ class ExpertShard:
         self.counts = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.int64)  # rows per expert
         self._row_of = {layer: i for i, layer in enumerate(self.moe_layers)}
         self._loading: tuple[int, threading.Thread] | None = None
+        self._load_began = 0.0
         self._loaded: Placed | BaseException | None = None  # the loader's result, installed by `settle`
         self.rows_computed = 0
         logger.info("expert worker %d/%d: experts %s of %d MoE layers (%s)", spec.rank, spec.size, self.slots,
@@ -138,7 +142,7 @@ class ExpertShard:
         pool = [list(row) for row in placement]
         thread = threading.Thread(target=self._load, args=(epoch, pool, mine, self.held[self.newest]), daemon=True,
                                   name=f"kvbaton-expert-place-{epoch}")
-        self._loading = (epoch, thread)
+        self._loading, self._load_began = (epoch, thread), time.monotonic()
         thread.start()
 
     def _own_slots(self, placement: list[list[int]]) -> dict[int, list[int]]:
@@ -156,10 +160,14 @@ class ExpertShard:
         return mine
 
     def _load(self, epoch: int, pool: list[list[int]], slots: dict[int, list[int]], current: Placed) -> None:
+        with contextlib.suppress(OSError):  # this thread yields the cores to the exchanges it must not stall
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
         try:
             read = functools.partial(read_experts, self.spec.model_dir, dtype=self.spec.dtype)
-            experts = {layer: restacked(current.experts[layer], current.slots[layer], wanted,
-                                        functools.partial(read, layer)) for layer, wanted in slots.items()}
+            # a layer whose slots here stay as they are keeps its weights (shared by both epochs: read-only)
+            experts = {layer: current.experts[layer] if wanted == current.slots[layer] else
+                       restacked(current.experts[layer], current.slots[layer], wanted, functools.partial(read, layer))
+                       for layer, wanted in slots.items()}
             self._loaded = Placed(epoch, pool, slots, experts)
         except BaseException as exc:  # noqa: BLE001 - reported by `settle` on the serving thread
             self._loaded = exc
@@ -179,8 +187,9 @@ class ExpertShard:
             if isinstance(loaded, Placed):
                 self.held[epoch] = loaded
                 self.newest = epoch
-                logger.info("expert worker %d: placement epoch %d ready (first MoE layer: %s)", self.spec.rank,
-                            epoch, loaded.slots[self.moe_layers[0]])
+                logger.info("expert worker %d: placement epoch %d ready after %.0f ms (first MoE layer: %s)",
+                            self.spec.rank, epoch, (time.monotonic() - self._load_began) * 1e3,
+                            loaded.slots[self.moe_layers[0]])
             else:
                 logger.error("expert worker %d: loading placement epoch %d failed: %s", self.spec.rank, epoch, loaded)
         newest = self.held[self.newest]
