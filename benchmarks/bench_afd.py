@@ -39,7 +39,7 @@ from pathlib import Path
 
 from common.log import log
 from common.machine import environment
-from common.procs import stop_pids, thread_env
+from common.procs import run_job_child, stop_pids, thread_env
 from common.prompts import fresh_seed, make_prompts
 from common.records import to_json
 from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, ratio, stamp
@@ -168,11 +168,7 @@ def launch_job(model: Path, setup: str, batch: int, args: argparse.Namespace, se
         job = {"model": str(model), "threads": threads, "burst": burst, "m": m, "shared": shared,
                "experts": experts, "batch": batch,
                "tokens": args.decode_tokens, "repeats": args.repeats, "seed": seed}
-        proc = subprocess.run([sys.executable, __file__, "--run", json.dumps(job)], capture_output=True, text=True,
-                              env=env, timeout=args.job_timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{setup} at batch {batch} failed:\n{proc.stderr[-3000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = run_job_child(__file__, job, env, args.job_timeout_s, f"{setup} at batch {batch}")
         if expert is not None:
             out, _ = expert.communicate("", timeout=30)
             expert_stats = json.loads(out.strip().splitlines()[-1])
@@ -240,7 +236,7 @@ def measure_exchange(shard, codec, clients, x, ids, weights, reps: int) -> dict:
     from kvbaton.parallel.afd.server import bytes_of
 
     rows, slots = x.repeat_interleave(ids.shape[1], 0), ids.flatten()
-    dispatch = DispatchRows(1, 0, bytes_of(rows), bytes_of(slots.int()))
+    dispatch = DispatchRows(1, 0, 0, bytes_of(rows), bytes_of(slots.int()))
     frame = codec.encode(dispatch)
     # each call the next MoE layer, as a decode step goes: one layer's experts over and over would stay in the
     # caches and make the computation (and so the overhead's baseline) look cheaper than it is in a step

@@ -30,7 +30,7 @@ from pathlib import Path
 from bench_afd import SECRET, build_model
 from common.log import log
 from common.machine import environment
-from common.procs import stop_pids, thread_env
+from common.procs import run_job_child, stop_pids, thread_env
 from common.prompts import fresh_seed, make_prompts
 from common.records import to_json
 from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, ratio, stamp
@@ -92,11 +92,7 @@ def run(model: Path, interval: int, args: argparse.Namespace, seed: int) -> dict
         addresses = [json.loads(p.stdout.readline())["address"] for p in experts]  # type: ignore[union-attr]
         job = {"model": str(model), "experts": addresses, "interval": interval, "batch": args.batch,
                "tokens": args.decode_tokens, "repeats": args.repeats, "seed": seed}
-        proc = subprocess.run([sys.executable, __file__, "--run", json.dumps(job)], capture_output=True, text=True,
-                              env=env, timeout=args.job_timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"EPLB interval {interval} failed:\n{proc.stderr[-3000:]}")
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = run_job_child(__file__, job, env, args.job_timeout_s, f"EPLB interval {interval}")
         result["expert_rows"] = [json.loads(p.communicate("", timeout=30)[0].strip().splitlines()[-1])["rows"]
                                  for p in experts]
         return {"interval": interval, **result}

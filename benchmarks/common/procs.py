@@ -76,3 +76,16 @@ def stop_pids(pids: list[int]) -> None:
         if not any(alive(p) for p in family):
             return
     log(f"WARNING: processes still alive after SIGKILL: {[p for p in family if alive(p)]}")
+
+
+def run_job_child(script: str, job: dict, env: dict[str, str], timeout_s: float, what: str) -> dict:
+    """Run `script --run JOB` (one measured job, in a fresh process) and return the JSON its last stdout line
+    holds; RuntimeError with its stderr's tail if it fails."""
+    import json
+    import sys
+
+    proc = subprocess.run([sys.executable, script, "--run", json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

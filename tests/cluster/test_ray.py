@@ -7,6 +7,7 @@ and is stopped by PID at the end.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -367,34 +368,42 @@ def test_prefill_and_decode_workers_start_as_actors_and_announce(launcher, tiny_
 
 
 @pytest.mark.slow
+@contextlib.asynccontextmanager
+async def served(launcher: RayLauncher, model: Path, num_prefill: int, num_decode: int,
+                 local_prefill_threshold: int | None = None, **pool: object):
+    """A router over a worker pool on the Ray cluster (`pool`: PoolConfig fields beyond fast heartbeats), shut
+    down at the end."""
+    from kvbaton.router.router import Router, RouterConfig
+    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
+    from kvbaton.text.tokenizer import Tokenizer
+
+    config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0, **pool)  # type: ignore[arg-type]
+    workers = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
+                         ConnectorSpec(transport="shm"), host=launcher.start())
+    router_config = RouterConfig() if local_prefill_threshold is None else \
+        RouterConfig(local_prefill_threshold=local_prefill_threshold)
+    router = Router(workers, Tokenizer(model), router_config)
+    try:
+        await router.start(num_prefill, num_decode)
+        yield router
+    finally:
+        await router.shutdown()
+
+
 def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
     import asyncio
 
-    from kvbaton.router.router import Router
-    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
-    from kvbaton.sched.sampling_params import SamplingParams
-    from kvbaton.text.tokenizer import Tokenizer
     from tests.support.helpers import hf_greedy
+    from tests.support.pd import collect
 
     model = tiny_models["llama"]
     prompts = [[(7 * i + 3 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([3, 11, 26])]
     launcher.cpus_per_worker = 0.5
 
-    async def generate(router: Router, request_id: str, prompt: list[int]) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        tokens: list[int] = []
-        async for out in router.generate(request_id, None, prompt, params):
-            tokens = list(out.outputs[0].token_ids)
-        return tokens
-
     async def scenario():
-        config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0)
-        pool = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
-                          ConnectorSpec(transport="shm"), host=launcher.start())
-        router = Router(pool, Tokenizer(model))
-        try:
-            await router.start(1, 1)
-            outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))
+        async with served(launcher, model, 1, 1) as router:
+            pool = router.pool
+            outs = await asyncio.gather(*(collect(router, f"r{i}", p, 12) for i, p in enumerate(prompts)))
             roles = {w["name"]: w["role"] for w in router.workers_view()}
             pid = launcher.pid("kvbaton-prefill-0")
             await asyncio.to_thread(launcher.kill, "kvbaton-prefill-0")  # how the router fences a dead worker
@@ -404,10 +413,8 @@ def test_serve_prefill_to_decode_through_ray(launcher, tiny_models):
                 lambda: pool.supervisor.restarts("kvbaton-prefill-0") and "kvbaton-prefill-0" in pool.workers,
                 120.0, interval_s=0.1, message="the pool did not replace kvbaton-prefill-0")
             assert pool.workers["kvbaton-prefill-0"].pid not in (None, pid) and router.is_alive
-            outs.append(await generate(router, "again", prompts[2]))
+            outs.append(await collect(router, "again", prompts[2], 12))
             return outs, roles
-        finally:
-            await router.shutdown()
 
     try:
         outs, roles = asyncio.run(asyncio.wait_for(scenario(), 300))
@@ -422,35 +429,18 @@ def test_expert_parallel_groups_through_ray(launcher, tiny_moe_models):
     """1P(EP2) + 1D(EP2): each group's two ranks in one PACK placement group (a bundle each), serving."""
     import asyncio
 
-    from kvbaton.router.router import Router, RouterConfig
-    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
-    from kvbaton.sched.sampling_params import SamplingParams
-    from kvbaton.text.tokenizer import Tokenizer
     from tests.support.helpers import hf_greedy
+    from tests.support.pd import collect
 
     model = tiny_moe_models["qwen3_moe"]
     prompts = [[(5 * i + 3 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([4, 13, 27])]
     launcher.cpus_per_worker = 0.5
 
-    async def generate(router: Router, request_id: str, prompt: list[int]) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        tokens: list[int] = []
-        async for out in router.generate(request_id, None, prompt, params):
-            tokens = list(out.outputs[0].token_ids)
-        return tokens
-
     async def scenario():
-        config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0, prefill_ep_size=2,
-                            decode_ep_size=2)
-        pool = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
-                          ConnectorSpec(transport="shm"), host=launcher.start())
-        router = Router(pool, Tokenizer(model), RouterConfig(local_prefill_threshold=0))
-        try:
-            await router.start(1, 1)
-            outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))
+        async with served(launcher, model, 1, 1, local_prefill_threshold=0, prefill_ep_size=2,
+                          decode_ep_size=2) as router:
+            outs = await asyncio.gather(*(collect(router, f"r{i}", p, 10) for i, p in enumerate(prompts)))
             return outs, launcher.list_workers()
-        finally:
-            await router.shutdown()
 
     try:
         outs, ranks = asyncio.run(asyncio.wait_for(scenario(), 300))
@@ -471,32 +461,18 @@ def test_an_afd_deployment_is_gang_placed_and_a_dead_expert_worker_returns_to_it
     worker connects to, and the deployment serves on."""
     import asyncio
 
-    from kvbaton.router.router import Router, RouterConfig
-    from kvbaton.router.worker_pool import PoolConfig, WorkerPool
-    from kvbaton.sched.sampling_params import SamplingParams
-    from kvbaton.text.tokenizer import Tokenizer
     from tests.support.helpers import hf_greedy
+    from tests.support.pd import collect
 
     model = tiny_moe_models["qwen3_moe"]
     prompts = [[(3 * i + 5 * j) % TINY_VOCAB + 1 for j in range(n)] for i, n in enumerate([5, 17, 9])]
     launcher.cpus_per_worker = 0.5
 
-    async def generate(router: Router, request_id: str, prompt: list[int]) -> list[int]:
-        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-        tokens: list[int] = []
-        async for out in router.generate(request_id, None, prompt, params):
-            tokens = list(out.outputs[0].token_ids)
-        return tokens
-
     async def scenario():
-        config = PoolConfig(heartbeat_s=0.2, dead_after_s=5.0, start_timeout_s=180.0, expert_workers=2,
-                            afd_micro_batches=2, num_redundant_experts=2, eplb_interval_steps=2)
-        pool = WorkerPool(spec("decode", model=str(model)).engine, launcher, launcher.secret, config,
-                          ConnectorSpec(transport="shm"), host=launcher.start())
-        router = Router(pool, Tokenizer(model), RouterConfig(local_prefill_threshold=0))
-        try:
-            await router.start(0, 1)
-            outs = await asyncio.gather(*(generate(router, f"r{i}", p) for i, p in enumerate(prompts)))
+        async with served(launcher, model, 0, 1, local_prefill_threshold=0, expert_workers=2, afd_micro_batches=2,
+                          num_redundant_experts=2, eplb_interval_steps=2) as router:
+            pool = router.pool
+            outs = await asyncio.gather(*(collect(router, f"r{i}", p, 10) for i, p in enumerate(prompts)))
             placed = {(w.name, w.bundle_index): w.placement_group_id for w in launcher.list_workers()}
             exchange = pool.workers["kvbaton-expert-1"].experts.address
             await asyncio.to_thread(launcher.kill, "kvbaton-expert-1")  # how the router fences a dead worker
@@ -504,10 +480,8 @@ def test_an_afd_deployment_is_gang_placed_and_a_dead_expert_worker_returns_to_it
                 lambda: pool.supervisor.restarts("kvbaton-expert-1") and "kvbaton-expert-1" in pool.workers,
                 120.0, interval_s=0.1, message="the pool did not replace kvbaton-expert-1")
             replaced = {(w.name, w.bundle_index): w.placement_group_id for w in launcher.list_workers()}
-            again = await asyncio.gather(*(generate(router, f"again{i}", p) for i, p in enumerate(prompts)))
+            again = await asyncio.gather(*(collect(router, f"again{i}", p, 10) for i, p in enumerate(prompts)))
             return outs + again, placed, replaced, exchange, pool.workers["kvbaton-expert-1"].experts.address
-        finally:
-            await router.shutdown()
 
     try:
         outs, placed, replaced, exchange, exchange_after = asyncio.run(asyncio.wait_for(scenario(), 300))
