@@ -54,3 +54,15 @@ def _hottest(load: ExpertLoad, k: int) -> list[dict[str, int]]:
              for expert, tokens in enumerate(row)]
     return [{"layer": layer, "expert": expert, "tokens": tokens} for tokens, layer, expert in
             sorted(cells, reverse=True)[:k] if tokens]
+
+
+def every_expert_served(experts: set[int], workers: list[tuple[list[int], dict[int, list[int]]]]) -> bool:
+    """Whether expert workers (each: the experts its hello named, every layer alike, and the per-layer placement
+    its last heartbeat said, {} before one) hold every one of `experts` in every MoE layer: by each worker's
+    heartbeat where it has one (EPLB places each layer on its own), else by its hello."""
+    layers = {layer for _, owns in workers for layer in owns} or {-1}
+    for layer in layers:
+        served = {e for hello, owns in workers for e in (owns[layer] if layer in owns else hello)}
+        if not experts <= served:
+            return False
+    return True

@@ -38,7 +38,7 @@ from kvbaton.messages.router_worker import (
 )
 from kvbaton.messages.worker_spec import ROUTER_NAME, ConnectorSpec, ExpertSlot, WorkerRole, WorkerSpec, worker_name
 from kvbaton.router.errors import EngineDeadError
-from kvbaton.router.expert_view import expert_view
+from kvbaton.router.expert_view import every_expert_served, expert_view
 from kvbaton.router.launcher import Launcher
 from kvbaton.router.supervision import RestartPolicy, SlotState, Supervisor, TaskGuard
 from kvbaton.sched.info import AfdStats, EngineInfo, EngineStats
@@ -393,13 +393,17 @@ class WorkerPool:
                 if s.spec.role == WorkerRole.EXPERT and s.state == SlotState.DOWN]
         # NOTE: a restarting one is not: what the attention workers post waits for its replacement; nor is one
         # whose experts all have copies on expert workers that are up (redundant experts: routed to them)
-        served = {e for w in self.workers.values() if w.alive and w.experts is not None for e in w.experts.experts}
-        if lost and not self._pool_experts <= served:
+        if lost and not self._experts_served_by_live_workers():
             return f"{'; '.join(lost)}; the attention workers cannot compute the MoE layers without its experts"
         if self.can_decode:
             return None
         slots = [s.describe(self.config.restart) for s in self.supervisor.not_up() if s.spec.role.decodes]
         return f"engine core exited: {'; '.join(slots)}; no worker can decode" if slots else "no worker can decode"
+
+    def _experts_served_by_live_workers(self) -> bool:
+        live = [(w.experts.experts, w.load.exchange.owns if w.load.exchange is not None else {})
+                for w in self.workers.values() if w.alive and w.experts is not None]
+        return every_expert_served(self._pool_experts, live)
 
     def view(self) -> list[dict[str, Any]]:
         """The workers in the pool, each with its slot's restart count, then the slots that are down for good.
