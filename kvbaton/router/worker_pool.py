@@ -393,12 +393,18 @@ class WorkerPool:
                 if s.spec.role == WorkerRole.EXPERT and s.state == SlotState.DOWN]
         # NOTE: a restarting one is not: what the attention workers post waits for its replacement; nor is one
         # whose experts all have copies on expert workers that are up (redundant experts: routed to them)
-        if lost and not self._experts_served_by_live_workers():
+        if lost and not self._experts_served_by_live_workers() and not self._placed_around_soon():
             return f"{'; '.join(lost)}; the attention workers cannot compute the MoE layers without its experts"
         if self.can_decode:
             return None
         slots = [s.describe(self.config.restart) for s in self.supervisor.not_up() if s.spec.role.decodes]
         return f"engine core exited: {'; '.join(slots)}; no worker can decode" if slots else "no worker can decode"
+
+    def _placed_around_soon(self) -> bool:
+        """With EPLB on, attention worker 0 places the experts over the expert workers that are up once some
+        expert has no copy among them, if their slots can hold every expert: the pool is not down meanwhile."""
+        slots = sum(len(w.experts.experts) for w in self.workers.values() if w.alive and w.experts is not None)
+        return bool(self.config.eplb_interval_steps) and slots >= len(self._pool_experts)
 
     def _experts_served_by_live_workers(self) -> bool:
         live = [(w.experts.experts, w.load.exchange.owns if w.load.exchange is not None else {})

@@ -40,6 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvbaton.config import AttentionFFNConfig, ConfigError
 from kvbaton.layers.moe.dispatch import ExpertMap, choose_slots, combine
+from kvbaton.layers.moe.eplb import rebalance_layer
 from kvbaton.parallel.afd.frames import (
     CombinedRows,
     CombinedShared,
@@ -70,6 +71,8 @@ UP_EVENT = getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", zmq.EVENT_CONNECTED)  # a (
 LOCAL_RETRY_S = 0.05  # how often a post tries to reach a same-host expert worker's Unix socket again
 RESYNC_S = 5.0  # after this long without an exchange, ask the pool for its placement before the next step
 # (well under the expert workers' RETAIN_S: an idle attention worker catches up before its epoch is dropped)
+PLACEMENT_POLL_S = 0.02  # how often a step waiting for a placement around down workers asks for it
+DOWN_GRACE_S = 1.0  # the leader re-places a down worker's uncopied experts after this long (not on a blip)
 PLAN_PATIENCE_STEPS = 50  # busy steps a leader waits for its last plan to be adopted before it plans anew
 CONTROL = (PoolWelcome, Placing, PoolLoad)  # the answers a step does not wait for: taken by `_control`
 
@@ -148,6 +151,7 @@ class ExpertPoolClient:
         self._last_exchange = time.monotonic()
         self._placing = 0  # the newest epoch this worker (the leader) handed out
         self._placed_at = 0  # in busy steps (an epoch never adopted is given up after PLAN_PATIENCE_STEPS)
+        self._down_since: tuple[frozenset[int], float] | None = None  # the workers down, and since when
         self.rebalances = 0  # newer placements switched to
         self.balancer = PoolBalancer(config.rebalance_interval_steps, num_experts, num_groups,
                                      "active_experts" if config.balance_objective == "active_experts" else "tokens",
@@ -161,8 +165,8 @@ class ExpertPoolClient:
                                           f"{config.timeout_s:g} s")
                 welcomes = self._welcomes()
             self._shared = [SlotPool(self._row_bytes) if config.shared_memory and probe_matches(w.probe, w.probe_token)
-                            else None for w in welcomes]
-            for worker, w in enumerate(welcomes):
+                            else None for w in welcomes.values()]
+            for worker, w in welcomes.items():
                 if self._shared[worker] is not None and w.local:
                     self._local_names[worker] = w.local
                     self._local[worker] = connect_local(w.local, config.timeout_s)
@@ -189,14 +193,16 @@ class ExpertPoolClient:
                                   f"to {type(msg).__name__}")
         return reply
 
-    def _welcomes(self) -> list[PoolWelcome]:
-        return [self._control(w, self._hello, PoolWelcome) for w in range(len(self._sockets))]
+    def _welcomes(self, workers: list[int] | None = None) -> dict[int, PoolWelcome]:
+        """The welcome of each of `workers` (default: all), by pool rank."""
+        return {w: self._control(w, self._hello, PoolWelcome)
+                for w in (range(len(self._sockets)) if workers is None else workers)}
 
-    def _adopt(self, welcomes: list[PoolWelcome]) -> bool:
-        """Route by the placement the welcomes describe; False (nothing changed) while the workers hold different
-        newest epochs. ConfigError where a worker serves another model."""
-        size = len(welcomes)
-        for worker, w in enumerate(welcomes):
+    def _adopt(self, welcomes: dict[int, PoolWelcome]) -> bool:
+        """Route by the placement the welcomes (of every worker, or of those up) describe; False (nothing changed)
+        while they hold different newest epochs. ConfigError where a worker serves another model."""
+        size = len(self._sockets)
+        for worker, w in welcomes.items():
             where = self.config.experts[worker]
             if (w.rank, w.size) != (worker, size):
                 raise ConfigError(f"expert worker {where} is rank {w.rank} of {w.size}, expected {worker} of {size}")
@@ -207,14 +213,16 @@ class ExpertPoolClient:
                 raise ConfigError(f"expert worker {where} holds MoE layers {w.layers}, this model has "
                                   f"{self.moe_layers}")
             self._ready[worker] = w.epoch
-        if len({w.epoch for w in welcomes}) > 1 or any(w.placement != welcomes[0].placement for w in welcomes):
+        first = next(iter(welcomes.values()))
+        if len({w.epoch for w in welcomes.values()}) > 1 or any(w.placement != first.placement
+                                                                for w in welcomes.values()):
             return False
-        rows = dict(zip(welcomes[0].layers, welcomes[0].placement, strict=True))
+        rows = dict(zip(first.layers, first.placement, strict=True))
         try:
             self.maps = {layer: ExpertMap(tuple(rows[layer]), size) for layer in self.moe_layers}
         except ValueError as exc:
             raise ExpertPoolError(f"the expert pool's placement does not split over its workers: {exc}") from exc
-        self.epoch = welcomes[0].epoch
+        self.epoch = first.epoch
         self._placement = [list(self.maps[layer].physical_to_logical) for layer in self.moe_layers]  # what it hands on
         self._tables.clear()
         return True
@@ -248,6 +256,8 @@ class ExpertPoolClient:
 
     def post(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> Pending:
         """Send layer `layer`'s rows x [T, H] (routed to ids [T, k] by weights [T, k]) to their experts' workers."""
+        if self._down and self.config.rebalance_interval_steps and not self._routes_around(self.down):
+            self._wait_for_placement_around()
         slot_table, copies = self._routing(layer)
         tokens, slots = choose_slots(ids, slot_table, copies, 1, self.config.index)
         order = torch.argsort(slots, stable=True)
@@ -427,10 +437,15 @@ class ExpertPoolClient:
         if self.epoch and self._needs_place - down:
             for worker in sorted(self._needs_place - down):
                 self._place(worker, self.epoch, self._placement)
+        up = [w for w in range(len(self._sockets)) if w not in down]
+        if not down:
+            self._down_since = None
+        elif self.balancer is not None:
+            self._place_around(down, up)
+        if any(self._ready[w] != self.epoch for w in up) or time.monotonic() - self._last_exchange > RESYNC_S:
+            self._sync(up)
         if down:
-            return  # (EPLB waits too: a plan needs every expert worker's load and every one to load it)
-        if any(r != self.epoch for r in self._ready) or time.monotonic() - self._last_exchange > RESYNC_S:
-            self._sync()
+            return  # (EPLB waits: a plan needs every expert worker's load and every one to load it)
         if busy and self.balancer is not None and self.balancer.due():
             pending = self._placing > self.epoch and self.balancer.busy_steps < self._placed_at + PLAN_PATIENCE_STEPS
             if not pending:
@@ -446,13 +461,15 @@ class ExpertPoolClient:
         self._needs_place.discard(worker)
         return True
 
-    def _sync(self) -> None:
-        """Catch the pool up to the newest placement any of its expert workers holds (hand it to those behind: a
+    def _sync(self, workers: list[int]) -> None:
+        """Catch `workers` (those up) up to the newest placement any of them holds (hand it to those behind: a
         replacement, one that missed a plan), and route by it once every one holds it."""
         self._last_exchange = time.monotonic()
-        welcomes = self._welcomes()
-        newest = max(welcomes, key=lambda w: w.epoch)
-        for worker, w in enumerate(welcomes):
+        if not workers:
+            return
+        welcomes = self._welcomes(workers)
+        newest = max(welcomes.values(), key=lambda w: w.epoch)
+        for worker, w in welcomes.items():
             if w.epoch < newest.epoch:
                 self._place(worker, newest.epoch, newest.placement)
         before = self.epoch
@@ -460,6 +477,69 @@ class ExpertPoolClient:
             self.rebalances += 1
             logger.info("expert pool: placement epoch %d (was %d); first MoE layer: %s", self.epoch, before,
                         self.maps[self.moe_layers[0]].physical_to_logical)
+
+    def _place_around(self, down: frozenset[int], up: list[int]) -> None:
+        """The leader, with expert workers down: if some expert has no copy on a worker that is up, and has not
+        for DOWN_GRACE_S, place the experts anew over the workers that are up (when their slots can hold every
+        expert), so the steps go on without waiting for a replacement. The down workers' slots keep what they
+        held: nothing routes to them while they are down, and a replacement is handed this placement."""
+        now = time.monotonic()
+        if self._down_since is None or not down <= self._down_since[0]:
+            self._down_since = (down, now)
+        pending = self._placing > self.epoch and self.balancer is not None \
+            and self.balancer.busy_steps < self._placed_at + PLAN_PATIENCE_STEPS
+        if now - self._down_since[1] < DOWN_GRACE_S or pending or not up or self._routes_around(down):
+            return
+        per = self.maps[self.moe_layers[0]].slots_per_rank
+        if per * len(up) < self.num_experts:
+            return  # the survivors' slots cannot hold every expert: the pool waits for a replacement
+        assert self.balancer is not None
+        spread = rebalance_layer([1.0] * self.num_experts, num_replicas=per * len(up),
+                                 num_groups=self.balancer.num_groups, num_nodes=1, num_ranks=len(up))
+        placement = []
+        for layer in self.moe_layers:
+            held = self.maps[layer].physical_to_logical
+            row: list[int] = []
+            for worker in range(len(self._sockets)):
+                source = (spread.physical_to_logical, up.index(worker)) if worker in up else (held, worker)
+                row += source[0][source[1] * per:(source[1] + 1) * per]
+            placement.append(row)
+        epoch = max(self.epoch, self._placing, *self._ready) + 1
+        self._placing = epoch
+        self._placed_at = self.balancer.busy_steps
+        placed = sum(self._place(w, epoch, placement) for w in up)
+        logger.warning("expert pool: workers %s down with experts no copy of which is up: placement epoch %d puts "
+                       "every expert on the %d workers up (%d took it)", sorted(down), epoch, len(up), placed)
+
+    def _wait_for_placement_around(self) -> None:
+        """Workers are down and some expert has no copy up, with EPLB on: rather than queue rows for a replacement
+        that may never come, wait (the step in flight) until the connection is back or a placement that puts every
+        expert on the workers up is held by all of them (the leader makes it, `_place_around`). Where the workers
+        up cannot hold every expert, the rows queue for the replacement as without EPLB."""
+        deadline = time.monotonic() + self.config.timeout_s
+        while True:
+            down = self.down
+            up = [w for w in range(len(self._sockets)) if w not in down]
+            if not down or self._routes_around(down):
+                return
+            if self.maps[self.moe_layers[0]].slots_per_rank * len(up) < self.num_experts:
+                return
+            if time.monotonic() > deadline:
+                raise ExpertPoolError(f"expert workers {sorted(down)} are down, no copy of some of their experts is "
+                                      f"up, and no placement around them came within {self.config.timeout_s:g} s")
+            if self.balancer is not None:
+                self._place_around(down, up)
+            self._sync(up)
+            time.sleep(PLACEMENT_POLL_S)
+
+    def _routes_around(self, down: frozenset[int]) -> bool:
+        """Whether every expert of every layer has a slot on a worker that is not `down`."""
+        try:
+            for layer in self.moe_layers:
+                self.maps[layer].lookup(self.num_experts, down)
+        except ValueError:
+            return False
+        return True
 
     def _rebalance(self) -> None:
         """EPLB's turn (the leader): plan from the pool's load since the last plan and hand it out."""

@@ -256,11 +256,13 @@ class ExpertServer:
                            local=self._local.name if self._local is not None else "")
 
     def _place(self, msg: PlaceExperts) -> Placing:
+        known = self.shard.holds(msg.epoch) or self.shard.loading == msg.epoch
         try:
             self.shard.place(msg.epoch, msg.placement)
         except PlacementRefused as exc:
             return Placing(msg.epoch, self.shard.newest, str(exc))
-        logger.info("expert exchange: loading placement epoch %d", msg.epoch)
+        if not known:
+            logger.info("expert exchange: loading placement epoch %d", msg.epoch)
         return Placing(msg.epoch, self.shard.newest)
 
     def _check_layer(self, layer: int, epoch: int) -> None:

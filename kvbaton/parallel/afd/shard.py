@@ -114,6 +114,11 @@ class ExpertShard:
     def holds(self, epoch: int) -> bool:
         return epoch in self.held
 
+    @property
+    def loading(self) -> int | None:
+        """The placement epoch being loaded, if any."""
+        return self._loading[0] if self._loading is not None else None
+
     def compute(self, layer: int, rows: torch.Tensor, local_slots: torch.Tensor, epoch: int = 0) -> torch.Tensor:
         """rows [n, hidden] through the experts of `local_slots` [n] (int64, each < slots_per_worker) of `layer`,
         under placement `epoch` (which this worker holds)."""
