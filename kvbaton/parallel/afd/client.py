@@ -152,6 +152,7 @@ class ExpertPoolClient:
         self._placing = 0  # the newest epoch this worker (the leader) handed out
         self._placed_at = 0  # in busy steps (an epoch never adopted is given up after PLAN_PATIENCE_STEPS)
         self._down_since: tuple[frozenset[int], float] | None = None  # the workers down, and since when
+        self._around: tuple[tuple[frozenset[int], int] | None, bool] = (None, True)  # `_routes_around`'s last answer
         self.rebalances = 0  # newer placements switched to
         self.balancer = PoolBalancer(config.rebalance_interval_steps, num_experts, num_groups,
                                      "active_experts" if config.balance_objective == "active_experts" else "tokens",
@@ -533,13 +534,15 @@ class ExpertPoolClient:
             time.sleep(PLACEMENT_POLL_S)
 
     def _routes_around(self, down: frozenset[int]) -> bool:
-        """Whether every expert of every layer has a slot on a worker that is not `down`."""
-        try:
-            for layer in self.moe_layers:
-                self.maps[layer].lookup(self.num_experts, down)
-        except ValueError:
-            return False
-        return True
+        """Whether every expert of every layer has a slot on a worker that is not `down` (at this placement)."""
+        key = (down, self.epoch)
+        if self._around[0] != key:
+            every = set(range(self.num_experts))
+            maps = [self.maps[layer] for layer in self.moe_layers]
+            around = all(every <= {e for slot, e in enumerate(m.physical_to_logical)
+                                   if slot // m.slots_per_rank not in down} for m in maps)
+            self._around = (key, around)
+        return self._around[1]
 
     def _rebalance(self) -> None:
         """EPLB's turn (the leader): plan from the pool's load since the last plan and hand it out."""
