@@ -152,43 +152,36 @@ def test_workers_killed_mid_stream_lose_nothing(moe_model, references, attention
                                          if name not in (victim, "kvbaton-both-1"))
 
 
-@pytest.mark.parametrize(("experts", "redundant", "eplb"), [(2, NUM_EXPERTS, False), (4, 4, True)],
-                         ids=["1:2-copies", "1:4-placed-around"])
-def test_an_expert_worker_down_for_good_loses_nothing(moe_model, references, experts, redundant, eplb):
-    """No restarts: SIGKILL an expert worker mid-stream. The exchanges it held fail, those requests continue from
-    their streamed tokens, and the pool serves on without it: every stream completes with transformers' tokens,
-    and so do new requests. 1:2 with every expert on both workers: the attention worker routes the dead one's
-    experts to their copies. 1:4 with 4 redundant slots (one copy per worker) and EPLB on: some of its experts
-    have no copy, so attention worker 0 places every expert over the 3 workers up, which load them while the
-    step waits, and the pool is never down."""
+def test_an_expert_worker_down_for_good_has_its_experts_placed_on_the_others(moe_model, references):
+    """1:4 with 4 redundant slots (one copy per worker), EPLB on, no restarts: SIGKILL an expert worker
+    mid-stream. The exchanges it held fail and those requests continue from their streamed tokens; some of its
+    experts have no copy, so attention worker 0 places every expert over the 3 workers up, which load them while
+    the step waits; the pool is never down, and every stream and every new request completes with transformers'
+    tokens. (Routing to copies placed ahead of time: `tests/parallel/test_afd.py`.)"""
     prompts, refs = references
     victim = "kvbaton-expert-1"
-    balance = {"eplb_interval_steps": 1000} if eplb else {}  # EPLB on, no plan of its own within this test
 
     async def scenario():
-        async with router_over(moe_model, prefill=0, decode=1, expert_workers=experts,
-                               num_redundant_experts=redundant, afd_micro_batches=2, max_failed_attempts=3,
-                               restart=RestartPolicy(max_restarts=0), **balance) as router:
-            owned = {w["name"]: w["experts"]["owns"] for w in router.workers_view() if w["role"] == "expert"}
+        async with router_over(moe_model, prefill=0, decode=1, expert_workers=4, num_redundant_experts=4,
+                               eplb_interval_steps=1000,  # EPLB on, no plan of its own within this test
+                               afd_micro_batches=2, max_failed_attempts=3,
+                               restart=RestartPolicy(max_restarts=0)) as router:
             outs, _ = await _kill_mid_stream(router, prompts, victim, "e")
             await async_wait_until(lambda: victim not in router.pool.workers, 30.0, interval_s=0.05,
                                    message="the expert worker is still in the pool")
             again = await asyncio.gather(*(collect(router, f"again{i}", p, MAX_NEW) for i, p in enumerate(prompts)))
-            if eplb:  # the survivors' heartbeats carry the placement they switched to
-                await async_wait_until(lambda: all(w["experts"].get("placement_epoch", 0) >= 1
-                                                   for w in router.workers_view()
-                                                   if w["role"] == "expert" and w["name"] != victim),
-                                       10.0, interval_s=0.05, message=lambda: f"{router.workers_view()}")
-            return owned, outs, again, router.pool.down_reason, router.workers_view()
+            # the survivors' heartbeats carry the placement they switched to
+            await async_wait_until(lambda: all(w["experts"].get("placement_epoch", 0) >= 1
+                                               for w in router.workers_view()
+                                               if w["role"] == "expert" and w["name"] != victim),
+                                   10.0, interval_s=0.05, message=lambda: f"{router.workers_view()}")
+            return outs, again, router.pool.down_reason, router.workers_view()
 
-    owned, outs, again, reason, view = run(scenario())
-    if not eplb:
-        assert owned == {"kvbaton-expert-0": [0, 1, 2, 3, 4, 5, 6, 7], "kvbaton-expert-1": [4, 5, 6, 7, 0, 1, 2, 3]}
-    else:  # the survivors hold a placement of their own, every expert among them in every layer
-        survivors = [w["experts"] for w in view if w["role"] == "expert" and w["name"] != victim]
-        assert len(survivors) == 3
-        for layer in survivors[0]["owns_by_layer"]:
-            assert {x for e in survivors for x in e["owns_by_layer"][layer]} == set(range(NUM_EXPERTS))
+    outs, again, reason, view = run(scenario())
+    survivors = [w["experts"] for w in view if w["role"] == "expert" and w["name"] != victim]
+    assert len(survivors) == 3
+    for layer in survivors[0]["owns_by_layer"]:  # every expert among them, in every layer
+        assert {x for e in survivors for x in e["owns_by_layer"][layer]} == set(range(NUM_EXPERTS))
     assert outs == refs and again == refs
     assert reason is None
 
