@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from kvbaton.config import AttentionFFNConfig
 from kvbaton.kv.connectors.shm.segments import SHM_DIR, Segment
-from kvbaton.parallel.afd import shard as shard_module
 from kvbaton.parallel.afd import shared_rows
 from kvbaton.parallel.afd.client import ExpertPoolClient
 from kvbaton.parallel.afd.frames import (
@@ -159,12 +158,13 @@ def test_signed_dispatches_it_cannot_serve_fail_that_exchange_only(dealer, serve
     assert_still_serves(dealer, server)
 
 
-def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused(ctx, tiny_moe_models, monkeypatch):
+def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused(ctx, tiny_moe_models):
     """EPLB's frames to an expert worker (a server of its own: it changes placement). Malformed placements are
     refused with the reason, nothing loaded; a valid one (the two workers' experts swapped) loads on the side
     while epoch 0 serves; then a dispatch at epoch 1 goes through the experts it moved in."""
     model = tiny_moe_models["qwen3_moe"]
-    own = ExpertServer(ExpertShard(ShardSpec(model, rank=0, size=2)), SECRET, max_rows=MAX_ROWS)
+    # a short retention (default 10 s), still far longer than the exchanges below take to show epoch 0 is kept
+    own = ExpertServer(ExpertShard(ShardSpec(model, rank=0, size=2, retain_s=2.0)), SECRET, max_rows=MAX_ROWS)
     other = ExpertShard(ShardSpec(model, rank=1, size=2))  # what rank 0 holds once the two swap
     own.start()
     sock = ctx.socket(zmq.DEALER)
@@ -204,8 +204,7 @@ def test_a_new_placement_loads_while_the_old_one_serves_and_bad_ones_are_refused
         expected = other.compute(msg.layer, rows, slots.flatten().to(torch.int64))
         assert torch.equal(rows_of(got.rows, torch.float32, own.shard.hidden), expected)
         assert_still_serves(sock, own)  # epoch 0 is kept while it is used
-        # ... and dropped once unused for RETAIN_S (here shortened) while epoch 1 serves on
-        monkeypatch.setattr(shard_module, "RETAIN_S", 0.05)
+        # ... and dropped once unused for its retention time while epoch 1 serves on
         msg = DispatchRows(6, msg.layer, 1, msg.rows, msg.slots)
 
         def served_at_epoch_1_only() -> bool:

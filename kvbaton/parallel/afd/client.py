@@ -448,9 +448,13 @@ class ExpertPoolClient:
         if down:
             return  # (EPLB waits: a plan needs every expert worker's load and every one to load it)
         if busy and self.balancer is not None and self.balancer.due():
-            pending = self._placing > self.epoch and self.balancer.busy_steps < self._placed_at + PLAN_PATIENCE_STEPS
-            if not pending:
+            if not self._plan_pending():
                 self._rebalance()
+
+    def _plan_pending(self) -> bool:
+        """The leader handed out a placement not adopted yet, and has not given up waiting for it."""
+        return self._placing > self.epoch and self.balancer is not None \
+            and self.balancer.busy_steps < self._placed_at + PLAN_PATIENCE_STEPS
 
     def _place(self, worker: int, epoch: int, placement: list[list[int]]) -> bool:
         """Hand `worker` placement `epoch`; whether it holds or loads it now."""
@@ -487,9 +491,7 @@ class ExpertPoolClient:
         now = time.monotonic()
         if self._down_since is None or not down <= self._down_since[0]:
             self._down_since = (down, now)
-        pending = self._placing > self.epoch and self.balancer is not None \
-            and self.balancer.busy_steps < self._placed_at + PLAN_PATIENCE_STEPS
-        if now - self._down_since[1] < DOWN_GRACE_S or pending or not up or self._routes_around(down):
+        if now - self._down_since[1] < DOWN_GRACE_S or self._plan_pending() or not up or self._routes_around(down):
             return
         per = self.maps[self.moe_layers[0]].slots_per_rank
         if per * len(up) < self.num_experts:

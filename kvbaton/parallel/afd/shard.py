@@ -51,6 +51,7 @@ class ShardSpec:
     compute_path: str = "auto"  # the engine's --compute-path (its experts' kernel follows it)
     deterministic: bool = False  # batch-invariant kernels, as the attention workers' engines
     redundant: int = 0  # the pool's redundant expert slots (a multiple of size): copies of other workers' experts
+    retain_s: float = RETAIN_S  # an older placement is dropped once unused this long
 
 
 @dataclass
@@ -185,7 +186,7 @@ class ExpertShard:
 
     def settle(self) -> None:
         """On the serving thread: hold a finished load as the newest placement, and drop an older one once nobody
-        sent at it for RETAIN_S and the newest has been ready as long (the newest is always kept)."""
+        sent at it for `retain_s` and the newest has been ready as long (the newest is always kept)."""
         if self._loading is not None and not self._loading[1].is_alive():
             epoch, loaded = self._loading[0], self._loaded
             self._loading, self._loaded = None, None
@@ -200,6 +201,6 @@ class ExpertShard:
         newest = self.held[self.newest]
         now = time.monotonic()
         for epoch in [e for e in self.held if e != self.newest]:
-            if now - max(self.held[epoch].used_at, newest.ready_at) > RETAIN_S:
+            if now - max(self.held[epoch].used_at, newest.ready_at) > self.spec.retain_s:
                 del self.held[epoch]
                 logger.info("expert worker %d: placement epoch %d dropped", self.spec.rank, epoch)
