@@ -21,7 +21,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1 and Kimi-K2 checkpoints name this class
+    "LlavaForConditionalGeneration": "llama",  # its text model's family (`_VISION_TEXT_MODELS`) decides
 }
+# the vision-language architectures: which encoder (`mm/`) turns their images into the text model's embeddings
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+_VISION_TEXT_MODELS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # text_config's
 _QWEN_LIKE = ("qwen2", "qwen2_moe")  # q/k/v projections carry a bias
 _PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
 
@@ -105,6 +109,16 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class VisionSpec:
+    """What the text model of a vision-language checkpoint needs to know of its images: each image stands in the
+    prompt as `tokens_per_image` copies of `image_token_id`, whose embeddings the encoder supplies."""
+
+    encoder: str  # a value of VISION_ARCHITECTURES
+    image_token_id: int
+    tokens_per_image: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer, as read from an HF `config.json`."""
 
@@ -129,6 +143,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionSpec | None = None  # a vision-language checkpoint's image placeholders
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -140,6 +155,12 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict) -> ModelConfig:
         arch_names = hf.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in arch_names if a in SUPPORTED_ARCHITECTURES), None)
+        if any(a in VISION_ARCHITECTURES for a in arch_names):  # the text model's own family decides its layers
+            text_type = (hf.get("text_config") or {}).get("model_type", "llama")
+            arch = _VISION_TEXT_MODELS.get(text_type)
+            if arch is None:
+                raise ConfigError(f"a vision-language checkpoint whose text model is {text_type!r} is not supported; "
+                                  f"text models: {', '.join(sorted(_VISION_TEXT_MODELS))}")
         if arch is None:
             supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
             raise ConfigError(f"unsupported architecture {arch_names or '(none)'}; supported: {supported}")
@@ -184,6 +205,7 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=eos_ids,
+            vision=_parse_vision(arch_names, hf),
         )
 
     @classmethod
@@ -195,6 +217,20 @@ class ModelConfig:
             return cls.from_hf_dict(json.loads(path.read_text()))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: missing or invalid field {exc}") from exc
+
+
+def _parse_vision(arch_names: list[str], hf: dict) -> VisionSpec | None:
+    encoder = next((VISION_ARCHITECTURES[a] for a in arch_names if a in VISION_ARCHITECTURES), None)
+    if encoder is None:
+        return None
+    vision = hf["vision_config"]
+    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    # LLaVA's "default" strategy drops the CLS position; "full" keeps it
+    tokens = patches + (hf.get("vision_feature_select_strategy", "default") == "full")
+    image_token = hf.get("image_token_id", hf.get("image_token_index"))
+    if not isinstance(image_token, int):
+        raise ConfigError("a vision-language config needs image_token_id (or image_token_index)")
+    return VisionSpec(encoder=encoder, image_token_id=image_token, tokens_per_image=tokens)
 
 
 def _parse_moe(arch: str, text: dict) -> MoEConfig | None:

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ from kvbaton.kv.layout import QUANTIZED, KVLayout
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan, plan_compute
+from kvbaton.mm.images import DecodedImage
+from kvbaton.mm.vision import load_image_encoder
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
 from kvbaton.parallel.afd.client import ExpertPoolClient
@@ -51,7 +54,7 @@ from kvbaton.sched.outputs import (
     StepResult,
 )
 from kvbaton.sched.request import Request, RequestStatus
-from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.sched.scheduler import Scheduler
 from kvbaton.sched.step_shape import StepShape
 from kvbaton.sched.step_trace import StepTrace
@@ -136,6 +139,8 @@ class EngineCore:
         clock.lap("config")
         model = load_model(model_dir, self.dtype, max_model_len)
         clock.lap("weights")
+        # a vision-language model's images are encoded here (`--encode 0`): its tower and projector
+        self.image_encoder = load_image_encoder(model_dir, self.dtype) if self.model_config.vision else None
         self.expert_stats = ExpertStats.of(model, config.expert_load_window_steps)  # None: a dense model
         # before packing: only local experts get packed
         self.expert_parallel = self._join_expert_parallel(model_dir)
@@ -283,8 +288,21 @@ class EngineCore:
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output).result()
 
-    def add_request(self, req: Request) -> None:
+    def encode_images(self, images: list[DecodedImage]) -> list[torch.Tensor]:
+        """Each image's embeddings, for the placeholders of a request's prompt (`add_request`)."""
+        if self.image_encoder is None:
+            raise InvalidRequestError("this model does not take images")
+        return self.image_encoder.encode(images)
+
+    def add_request(self, req: Request, image_embeddings: Sequence[torch.Tensor] = ()) -> None:
+        """Queue `req`; `image_embeddings`: what stands in for each of its `image_spans`' placeholders."""
         self.validate(req)
+        if len(image_embeddings) != len(req.image_spans) or any(
+                e.shape[0] != span.length for e, span in zip(image_embeddings, req.image_spans)):
+            raise InvalidRequestError(f"{len(req.image_spans)} image spans, {len(image_embeddings)} embeddings")
+        if req.image_spans:
+            self.runner.image_embeddings[req.request_id] = [
+                (span.start, e) for span, e in zip(req.image_spans, image_embeddings)]
         spec = req.sampling_params.structured_output
         if spec is not None:
             if req.request_id in self.grammars or req.request_id in self.scheduler.requests:
@@ -298,6 +316,8 @@ class EngineCore:
         once, hand-offs in flight included."""
         self.handoff.abort(request_ids)
         self.grammars.abort(request_ids)
+        for request_id in request_ids:
+            self.runner.image_embeddings.pop(request_id, None)
         # NOTE: only a stop string (STOP) or an abort ends a request from outside; anything else aborts
         status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP else RequestStatus.FINISHED_ABORTED
         self.scheduler.finish_requests(request_ids, status)
@@ -353,6 +373,10 @@ class EngineCore:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))
         self._consecutive_step_failures = 0
+        if self.runner.image_embeddings:  # a finished request's images go with it, not a step later
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self.runner.image_embeddings.pop(out.request_id, None)
         new_blocks = self.kv_cache.drain_new_blocks()
         if self.store is not None:
             self._store_step(sched, time.perf_counter() - start, new_blocks)

@@ -6,16 +6,34 @@ import time
 
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.core import EngineCore
+from kvbaton.mm.images import DecodedImage
+from kvbaton.mm.placeholders import image_spans
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.process import freeze_long_lived_objects, set_compute_threads
 from kvbaton.sched.info import EngineStats, validate_request
 from kvbaton.sched.outputs import FinishReason
 from kvbaton.sched.request import Request
-from kvbaton.sched.sampling_params import SamplingParams
+from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.text.inputs import PromptType, tokenize_prompt
 from kvbaton.text.output_processor import OutputProcessor
 from kvbaton.text.request_output import RequestOutput
 from kvbaton.text.tokenizer import Tokenizer, eos_token_ids
+
+
+def prompt_images(prompt: PromptType) -> list[DecodedImage]:
+    """A prompt dict's images, vLLM's way: `{"prompt_token_ids": [...], "multi_modal_data": {"image": [...]}}`
+    (PIL images or `DecodedImage`s; one image alone is a list of one)."""
+    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+        return []
+    data = prompt["multi_modal_data"]
+    images = data.get("image", []) if isinstance(data, dict) else None
+    if images is None or set(data) - {"image"}:
+        raise InvalidRequestError("multi_modal_data takes images only: {'image': [...]}")
+    images = images if isinstance(images, list) else [images]
+    try:
+        return [im if isinstance(im, DecodedImage) else DecodedImage.of_pil(im) for im in images]
+    except AttributeError:
+        raise InvalidRequestError("multi_modal_data's images must be PIL images") from None
 
 
 class LLMEngine:
@@ -40,9 +58,12 @@ class LLMEngine:
         text, token_ids = tokenize_prompt(self.tokenizer, prompt)
         self.validate(token_ids, params, priority)
         self.core.validate_grammar(params)
+        images = prompt_images(prompt)
+        spans = image_spans(self.core.model_config.vision, token_ids, [im.digest for im in images])
         req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
-                      arrival_time=arrival_time if arrival_time is not None else time.monotonic())
-        self.core.add_request(req)
+                      arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+                      image_spans=spans)
+        self.core.add_request(req, self.core.encode_images(images) if images else ())
         self.outputs.add_request(request_id, text, token_ids, params, req.arrival_time)
 
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:

@@ -36,6 +36,8 @@ class StepInputs:
     sampled: list[ScheduledRequest]  # in the order of the first S `logits_indices`
     # (chunk, its first row among the last P) of each chunk that predicts prompt tokens
     prompt_logprob_rows: list[tuple[ScheduledRequest, int]] = dataclasses.field(default_factory=list)
+    # (rows [R], embeddings [R, E]): the rows of image placeholders and what stands in for their tokens
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -58,6 +60,9 @@ class ModelRunner:
         self._seed = seed
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
         self.grammars: GrammarMatchers | None = None  # set by the core with the first structured request
+        # per request with images: (prompt position of an image's first placeholder, its embeddings [n, E]),
+        # kept until the request ends (a preempted request computes its prompt again)
+        self.image_embeddings: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def _attention_kernels(self, num_heads: int, attention: AttentionCode,
                            ) -> tuple[PagedDecodeKernel | None, PagedPrefillKernel | None]:
@@ -82,6 +87,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         for request_id in sched.finished_request_ids:
             self._generators.pop(request_id, None)
+            self.image_embeddings.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.drop(sched.finished_request_ids)
         if sched.is_empty:
@@ -95,7 +101,8 @@ class ModelRunner:
             sender = self.kv_sender
             assert sender is not None
             meta = dataclasses.replace(meta, after_layer=lambda layer: sender.save_layer(layer, outgoing))
-        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices)
+        logits = self.model(inputs.input_ids, inputs.positions, self.kv_caches, meta, inputs.logits_indices,
+                            image_rows=inputs.image_rows)
         prompt_logprobs = self._prompt_logprobs(logits[len(inputs.sampled):], inputs.prompt_logprob_rows)
         logits = logits[: len(inputs.sampled)]
         rows = [SamplingRow(s.request_id, s.sampling_params, self._generator(s), self._banned(s),
@@ -147,7 +154,8 @@ class ModelRunner:
         return started, failed
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> StepInputs:
-        if all(s.num_tokens == 1 and s.sample and not s.num_prompt_logprob_rows for s in scheduled):
+        if all(s.num_tokens == 1 and s.sample and not s.num_prompt_logprob_rows for s in scheduled) and not (
+                self.image_embeddings and any(self._images_in(s) for s in scheduled)):
             return self._decode_inputs(scheduled)
         # NOTE: single-token chunks (decodes) go first and share one batched attention call.
         decodes = [s for s in scheduled if s.num_tokens == 1]
@@ -173,7 +181,23 @@ class ModelRunner:
             meta = AttentionMetadata(self.block_size, slot_mapping, len(decodes), decode_table, decode_lens,
                                      decode_mask, tuple(spans), self.decode_kernel, self.prefill_kernel)
         indices = ends[sample_rows] if not extra else torch.cat([ends[sample_rows], torch.tensor(extra)])
-        return StepInputs(input_ids, positions, meta, indices, [ordered[i] for i in sample_rows], prompt_rows)
+        return StepInputs(input_ids, positions, meta, indices, [ordered[i] for i in sample_rows], prompt_rows,
+                          self._image_rows(ordered) if self.image_embeddings else None)
+
+    def _images_in(self, s: ScheduledRequest) -> list[tuple[int, int, torch.Tensor]]:
+        """(first, end, embeddings of positions first..end) of each image placeholder run in `s`'s chunk."""
+        start, end = s.start_position, s.start_position + s.num_tokens
+        return [(max(p, start), min(p + e.shape[0], end), e[max(p, start) - p: min(p + e.shape[0], end) - p])
+                for p, e in self.image_embeddings.get(s.request_id, ()) if p < end and start < p + e.shape[0]]
+
+    def _image_rows(self, ordered: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows, values, offset = [], [], 0
+        for s in ordered:
+            for first, end, embeddings in self._images_in(s):
+                rows.append(torch.arange(offset + first - s.start_position, offset + end - s.start_position))
+                values.append(embeddings)
+            offset += s.num_tokens
+        return (torch.cat(rows), torch.cat(values)) if rows else None
 
     def _decode_burst(self, decodes: list[ScheduledRequest], steps: int) -> ModelOutput:
         """`steps` decode steps of the same requests back to back, each step's argmax the next one's input

@@ -28,10 +28,14 @@ def token_bytes(token_ids: Sequence[int]) -> bytes:
     return ids.tobytes()
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """The hash of a full block of `token_ids` whose prefix ends in the block `parent` (None: the first)."""
+def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int], images: bytes = b"") -> BlockHash:
+    """The hash of a full block of `token_ids` whose prefix ends in the block `parent` (None: the first).
+    `images`: the digests of the images whose placeholder tokens the block holds (every image's placeholders
+    are the same tokens: without them, two prompts differing only in an image would share KV)."""
     digest = hashlib.blake2b(parent or ROOT_HASH, digest_size=HASH_BYTES)
     digest.update(token_bytes(token_ids))
+    if images:
+        digest.update(b"\x00images\x00" + images)
     return digest.digest()
 
 

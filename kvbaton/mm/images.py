@@ -68,6 +68,19 @@ class DecodedImage:
     height: int
     rgb: bytes = field(repr=False)  # width x height x 3, row-major
 
+    @classmethod
+    def of_rgb(cls, width: int, height: int, rgb: bytes) -> DecodedImage:
+        return cls(hashlib.sha256(f"{width}x{height}:".encode() + rgb).hexdigest(), width, height, rgb)
+
+    @classmethod
+    def of_pil(cls, image: Image.Image) -> DecodedImage:
+        """An image already decoded (the offline engine's callers hand PIL images over)."""
+        rgb = image.convert("RGB")
+        return cls.of_rgb(rgb.width, rgb.height, rgb.tobytes())
+
+    def to_pil(self) -> Image.Image:
+        return Image.frombytes("RGB", (self.width, self.height), self.rgb)
+
 
 def data_url_bytes(url: str, limits: ImageLimits, where: str = "image_url") -> bytes:
     """A `data:[<type>][;base64],<payload>` URL's bytes, its size checked before the payload is decoded. The
@@ -139,8 +152,7 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image_url") -> 
         raise ImageRefused(f"{where}: not an image this server reads ({', '.join(FORMATS)})") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:  # what Pillow's decoders raise on bad data
         raise ImageRefused(f"{where}: the image is truncated or corrupt ({type(exc).__name__})") from None
-    digest = hashlib.sha256(f"{width}x{height}:".encode() + rgb).hexdigest()
-    return DecodedImage(digest, width, height, rgb)
+    return DecodedImage.of_rgb(width, height, rgb)
 
 
 class ImageDecoder:

@@ -60,8 +60,11 @@ class DecoderStack(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                image_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, E]
+        if image_rows is not None:  # image placeholders: the encoder's embeddings stand in for their tokens
+            x[image_rows[0]] = image_rows[1].to(x.dtype)
         loop = self.layer_loop
         residual: torch.Tensor | None = None
         if takes(meta, x.shape[0], self.micro_batches):  # the experts are elsewhere: take turns with them

@@ -96,8 +96,8 @@ def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for hf_name in f.keys():
-                name = hf_name.removeprefix("model.")
-                if "rotary_emb" in name:
+                name = text_weight_name(hf_name)
+                if name is None or "rotary_emb" in name:
                     continue
                 # NOTE: a name that already is ours goes as it is (DeepSeek's q_proj is no fused qkv_proj)
                 target, part, stacked = (name, None, False) if name in params else _resolve(name, qkv_sizes)
@@ -121,6 +121,21 @@ def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set
     if cfg.tie_word_embeddings and "embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")
     return loaded
+
+
+# a vision-language checkpoint's weights that are not its text model's (`mm/` loads them)
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.")
+
+
+def text_weight_name(hf_name: str) -> str | None:
+    """The text model's name for a checkpoint weight (`layers.0.mlp.up_proj.weight`, `lm_head.weight`), None for
+    a weight of a vision-language checkpoint's encoder. A vision-language checkpoint nests its text model:
+    LLaVA's as `language_model.model.*` and `language_model.lm_head.*`, transformers 5's as
+    `model.language_model.*` beside a top-level `lm_head.*`."""
+    name = hf_name.removeprefix("model.")
+    if name.startswith(_NOT_TEXT):
+        return None
+    return name.removeprefix("language_model.").removeprefix("model.")
 
 
 def _resolve(name: str, qkv_sizes: list[int]) -> Target:

@@ -146,7 +146,8 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(req.block_hashes), num_blocks):
             parent = req.block_hashes[i - 1] if i else salted_root(req.sampling_params.cache_salt)
-            req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs)))
+            req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs),
+                                                         req.image_digests(i * bs, (i + 1) * bs)))
 
     def _cache_full_blocks(self, req: Request, blocks: list[KVBlock], num_known_tokens: int) -> None:
         """Index blocks that will be full of known tokens once this step has run."""

@@ -28,6 +28,17 @@ class RequestStatus(enum.Enum):
                         RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_TRANSFERRED)
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image in a prompt: `length` placeholder tokens from position `start`, whose embeddings the image
+    encoder supplies; `digest` (its decoded pixels' hash) tells it from any other image in the KV blocks'
+    content hashes, since its placeholder tokens are the same for every image."""
+
+    start: int
+    length: int
+    digest: bytes
+
+
 @dataclass
 class Request:
     request_id: str
@@ -47,6 +58,7 @@ class Request:
     first_scheduled_time: float | None = None
     remote_decode: RemoteDecode | None = None  # prefill role: hand the KV off after the prompt
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # as computed (prompt tokens 1, 2, ...)
+    image_spans: tuple[ImageSpan, ...] = ()  # in prompt order
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +76,10 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    def image_digests(self, start: int, end: int) -> bytes:
+        """The digests of the images with a placeholder at positions [start, end), in order (b"": none)."""
+        return b"".join(s.digest for s in self.image_spans if s.start < end and start < s.start + s.length)
 
     @property
     def is_finished(self) -> bool:

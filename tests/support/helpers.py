@@ -194,3 +194,53 @@ def build_deepseek_checkpoint(out_dir: Path, seed: int = 0, **overrides: object)
     model.save_pretrained(str(out_dir))
     build_tiny_tokenizer(out_dir)
     return out_dir
+
+
+LLAVA_IMAGE_TOKEN = TINY_VOCAB - 1  # "t319": the tiny tokenizer's last word stands for an image's positions
+LLAVA_TOKENS_PER_IMAGE = 25  # 30 x 30 pixels in 6 x 6 patches, the CLS position dropped
+
+
+def build_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
+    """A random-weight LLaVA (a 2-layer CLIP tower of 30 x 30 images, the projector, the tiny Llama) saved as
+    llava-hf's checkpoints are: config, weights, the tiny tokenizer and the CLIP image processor."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    text = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                       tie_word_embeddings=False)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=30, patch_size=6, initializer_range=0.2)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_id=LLAVA_IMAGE_TOKEN,
+                      vision_feature_layer=-2, vision_feature_select_strategy="default",
+                      image_seq_length=LLAVA_TOKENS_PER_IMAGE)
+    torch.manual_seed(seed)
+    LlavaForConditionalGeneration(cfg).float().save_pretrained(str(out_dir))
+    build_tiny_tokenizer(out_dir)
+    CLIPImageProcessor(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of a vision-language checkpoint, float32, one (token ids, PIL images) prompt
+    at a time, its images through the checkpoint's own processor: the multimodal parity oracle."""
+    from transformers import AutoImageProcessor, LlavaForConditionalGeneration
+
+    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    outs = []
+    for ids, images in prompts:
+        extra = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]} if images else {}
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long), **extra)
+        outs.append(gen[0, len(ids):].tolist())
+    del model
+    release_memory()
+    return outs
