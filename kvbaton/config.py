@@ -320,8 +320,12 @@ class CacheConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | a KV_CACHE_DTYPES name
+    # vision-language models: image embeddings no request holds, kept for the next request with the same image
+    encoder_cache_mb: float = 256.0
 
     def __post_init__(self) -> None:
+        if self.encoder_cache_mb < 0:
+            raise ConfigError("encoder_cache_mb must be >= 0")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                               f"not {self.kv_cache_dtype!r}")

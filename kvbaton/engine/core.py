@@ -35,6 +35,7 @@ from kvbaton.kv.layout import QUANTIZED, KVLayout
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan, plan_compute
+from kvbaton.mm.encoder_cache import EncoderCache
 from kvbaton.mm.images import DecodedImage
 from kvbaton.mm.vision import load_image_encoder
 from kvbaton.models.families import CausalLM
@@ -141,6 +142,8 @@ class EngineCore:
         clock.lap("weights")
         # a vision-language model's images are encoded here (`--encode 0`): its tower and projector
         self.image_encoder = load_image_encoder(model_dir, self.dtype) if self.model_config.vision else None
+        self.encoder_cache: EncoderCache[torch.Tensor] | None = (
+            EncoderCache(int(config.cache.encoder_cache_mb * 2**20)) if self.image_encoder else None)
         self.expert_stats = ExpertStats.of(model, config.expert_load_window_steps)  # None: a dense model
         # before packing: only local experts get packed
         self.expert_parallel = self._join_expert_parallel(model_dir)
@@ -288,21 +291,52 @@ class EngineCore:
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output).result()
 
-    def encode_images(self, images: list[DecodedImage]) -> list[torch.Tensor]:
-        """Each image's embeddings, for the placeholders of a request's prompt (`add_request`)."""
-        if self.image_encoder is None:
-            raise InvalidRequestError("this model does not take images")
-        return self.image_encoder.encode(images)
-
-    def add_request(self, req: Request, image_embeddings: Sequence[torch.Tensor] = ()) -> None:
-        """Queue `req`; `image_embeddings`: what stands in for each of its `image_spans`' placeholders."""
+    def add_request(self, req: Request, images: Sequence[DecodedImage] = ()) -> None:
+        """Queue `req`; `images`: those of its `image_spans`, in order, encoded now (or found in the encoder
+        cache) for the runner to put in place of their placeholders."""
         self.validate(req)
-        if len(image_embeddings) != len(req.image_spans) or any(
-                e.shape[0] != span.length for e, span in zip(image_embeddings, req.image_spans)):
-            raise InvalidRequestError(f"{len(req.image_spans)} image spans, {len(image_embeddings)} embeddings")
-        if req.image_spans:
+        if images and (req.request_id in self.scheduler.requests or req.request_id in self.grammars):
+            raise ValueError(f"duplicate request id {req.request_id!r}")  # before its images replace another's
+        if [bytes.fromhex(im.digest) for im in images] != [span.digest for span in req.image_spans]:
+            raise InvalidRequestError(f"{len(req.image_spans)} image placeholder runs, {len(images)} images")
+        if images:
+            embeddings = self._encode(req.request_id, list(images))
+            if any(e.shape[0] != span.length for e, span in zip(embeddings, req.image_spans)):
+                self._drop_images(req.request_id)
+                raise InvalidRequestError("an image's embeddings do not fit its placeholders")
             self.runner.image_embeddings[req.request_id] = [
-                (span.start, e) for span, e in zip(req.image_spans, image_embeddings)]
+                (span.start, e) for span, e in zip(req.image_spans, embeddings)]
+        try:
+            self._queue(req)
+        except Exception:
+            self._drop_images(req.request_id)
+            raise
+
+    def _encode(self, request_id: str, images: list[DecodedImage]) -> list[torch.Tensor]:
+        """Each image's embeddings, the cached ones taken from the encoder cache, the others encoded in one
+        batch; all of them held for `request_id` until it ends."""
+        if self.image_encoder is None or self.encoder_cache is None:
+            raise InvalidRequestError("this model does not take images")
+        cache = self.encoder_cache
+        found = [cache.acquire(request_id, im.digest) for im in images]
+        missing = [i for i, e in enumerate(found) if e is None]
+        try:
+            encoded = self.image_encoder.encode([images[i] for i in missing]) if missing else []
+        except Exception:
+            cache.release(request_id)
+            raise
+        for i, e in zip(missing, encoded):
+            cache.put(request_id, images[i].digest, e, e.nbytes)
+            found[i] = e
+        return [e for e in found if e is not None]
+
+    def _drop_images(self, request_id: str) -> None:
+        """A request ended (or never started): its embeddings go, and its hold on the encoder cache."""
+        self.runner.image_embeddings.pop(request_id, None)
+        if self.encoder_cache is not None:
+            self.encoder_cache.release(request_id)
+
+    def _queue(self, req: Request) -> None:
         spec = req.sampling_params.structured_output
         if spec is not None:
             if req.request_id in self.grammars or req.request_id in self.scheduler.requests:
@@ -316,8 +350,9 @@ class EngineCore:
         once, hand-offs in flight included."""
         self.handoff.abort(request_ids)
         self.grammars.abort(request_ids)
-        for request_id in request_ids:
-            self.runner.image_embeddings.pop(request_id, None)
+        if self.encoder_cache is not None:
+            for request_id in request_ids:
+                self._drop_images(request_id)
         # NOTE: only a stop string (STOP) or an abort ends a request from outside; anything else aborts
         status = RequestStatus.FINISHED_STOPPED if reason == FinishReason.STOP else RequestStatus.FINISHED_ABORTED
         self.scheduler.finish_requests(request_ids, status)
@@ -339,6 +374,9 @@ class EngineCore:
             self.scheduler.add_request(req)
         scheduled_at = time.perf_counter()
         sched = self.scheduler.schedule()
+        if self.encoder_cache is not None:  # whatever ended them (a failed batch too), and grammars refused
+            for request_id in [*sched.finished_request_ids, *(f.request_id for f in refused)]:
+                self._drop_images(request_id)
         if self.expert_parallel is not None:
             self.expert_parallel.join_step(has_tokens=not sched.is_empty)
         if sched.is_empty and self.scheduler.loading and self.store is not None:
@@ -373,10 +411,10 @@ class EngineCore:
                 raise
             return StepResult([], failed_requests=refused + self._fail_batch(sched, exc))
         self._consecutive_step_failures = 0
-        if self.runner.image_embeddings:  # a finished request's images go with it, not a step later
+        if self.encoder_cache is not None:  # a finished request's images go with it, not a step later
             for out in outputs:
                 if out.finish_reason is not None:
-                    self.runner.image_embeddings.pop(out.request_id, None)
+                    self._drop_images(out.request_id)
         new_blocks = self.kv_cache.drain_new_blocks()
         if self.store is not None:
             self._store_step(sched, time.perf_counter() - start, new_blocks)
@@ -440,7 +478,8 @@ class EngineCore:
                            num_preemptions=self.scheduler.num_preemptions,
                            kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
                            kv_store=tuple(self.store.stats()) if self.store is not None else (),
-                           expert_load=self._expert_load(), decode_steps=self._decode_steps, afd=self._afd_stats())
+                           expert_load=self._expert_load(), decode_steps=self._decode_steps, afd=self._afd_stats(),
+                           encoder_cache=self.encoder_cache.stats() if self.encoder_cache is not None else None)
 
     def _choose_micro_batches(self, sched: SchedulerOutput) -> int | None:
         """--afd-micro-batches auto: set this decode step's micro-batch count (None: not a step it chooses for)."""

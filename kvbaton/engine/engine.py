@@ -63,7 +63,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                       image_spans=spans)
-        self.core.add_request(req, self.core.encode_images(images) if images else ())
+        self.core.add_request(req, images)
         self.outputs.add_request(request_id, text, token_ids, params, req.arrival_time)
 
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:

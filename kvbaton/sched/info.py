@@ -117,6 +117,22 @@ class AfdStats:
         return max(0.0, 1.0 - self.expert_busy_s / self.expert_alive_s) if self.expert_alive_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class EncoderCacheStats:
+    """A worker's encoder cache (`mm/encoder_cache.py`): counters since it started, and what it holds now."""
+
+    hits: int = 0  # images whose embeddings were cached
+    misses: int = 0  # images encoded
+    evictions: int = 0  # unheld entries dropped for the byte bound
+    bytes: int = 0
+    entries: int = 0
+
+    def __add__(self, other: EncoderCacheStats) -> EncoderCacheStats:
+        return EncoderCacheStats(self.hits + other.hits, self.misses + other.misses,
+                                 self.evictions + other.evictions, self.bytes + other.bytes,
+                                 self.entries + other.entries)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineStats:
     """One engine's (or, summed, one pool's) load and cache counters, as of its last step."""
@@ -134,6 +150,7 @@ class EngineStats:
     expert_load: ExpertLoad | None = None  # MoE models only
     decode_steps: DecodeStepTimes = DecodeStepTimes()
     afd: AfdStats | None = None  # an attention worker's exchanges (a pool's: both sides')
+    encoder_cache: EncoderCacheStats | None = None  # vision-language models only
 
     @classmethod
     def total(cls, parts: list[EngineStats], cache_parts: list[EngineStats] | None = None) -> EngineStats:
@@ -154,7 +171,9 @@ class EngineStats:
                    kv_store=merge_tier_stats([t for s in cache for t in s.kv_store]),
                    decode_steps=sum((s.decode_steps for s in parts), DecodeStepTimes()),
                    afd=sum((s.afd for s in parts if s.afd is not None), AfdStats()) if any(s.afd for s in parts)
-                   else None)
+                   else None,
+                   encoder_cache=sum((s.encoder_cache for s in cache if s.encoder_cache is not None),
+                                     EncoderCacheStats()) if any(s.encoder_cache for s in cache) else None)
         # NOTE: no expert_load: summed on every step it would cost layers x experts adds; GET /experts sums it
 
     @property

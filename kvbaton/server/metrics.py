@@ -44,6 +44,14 @@ _AFD_GAUGES = {  # metric name: (AfdStats field, help)
     "sent_bytes": ("bytes_sent", "Bytes the attention workers dispatched to the expert pool"),
     "received_bytes": ("bytes_received", "Bytes they took back"),
 }
+# vision-language models: the workers' encoder caches (mm/encoder_cache.py), summed
+_ENCODER_CACHE_GAUGES = {
+    "hits": "Images whose embeddings the encoder cache held, since start",
+    "misses": "Images encoded (not in the encoder cache), since start",
+    "evictions": "Encoder-cache entries no request held, dropped for its byte bound, since start",
+    "bytes": "Bytes of image embeddings in the encoder caches",
+    "entries": "Images in the encoder caches",
+}
 
 
 class ServerMetrics:
@@ -82,6 +90,8 @@ class ServerMetrics:
         self.preemptions = gauge("num_preemptions", "Preemptions since start")
         self.store_hit_tokens = gauge("kv_store_hit_tokens", "Prompt tokens loaded from the KV store tiers since start")
         self.afd = {field: gauge(f"afd_{name}", doc) for name, (field, doc) in _AFD_GAUGES.items()}
+        self.encoder_cache = {field: gauge(f"encoder_cache_{field}", doc)
+                              for field, doc in _ENCODER_CACHE_GAUGES.items()}
         self.tier = {name: Gauge(f"kvbaton:kv_store_{name}", doc, labels + ["tier"], registry=self.registry)
                      for name, doc in _TIER_GAUGES.items()}
         # NOTE: one series per MoE layer and expert (e.g. 48 x 128 for a Qwen3-MoE-30B): what EPLB balances. In a
@@ -106,6 +116,9 @@ class ServerMetrics:
         if stats.afd is not None:
             for name, gauge in self.afd.items():
                 gauge.labels(m).set(getattr(stats.afd, name))
+        if stats.encoder_cache is not None:
+            for name, gauge in self.encoder_cache.items():
+                gauge.labels(m).set(getattr(stats.encoder_cache, name))
         for tier in stats.kv_store:
             for name, gauge in self.tier.items():
                 gauge.labels(m, tier.name).set(getattr(tier, name))

@@ -96,6 +96,29 @@ def test_the_same_image_shares_kv_blocks_and_another_image_never_does(llava):
     assert other <= 4, other
 
 
+def test_an_image_seen_again_is_not_encoded_again(llava):
+    model, refs = llava
+    llm = LLM(str(model), dtype="float32", enable_prefix_caching=False)  # the KV of the image is computed again
+    assert generate(llm, PROMPTS[:3]) == refs[:3]
+    first = llm.engine.stats().encoder_cache
+    assert first is not None and (first.hits, first.misses, first.entries) == (0, 4, 4)
+    again = [with_images(words(8, 3), picture(1)), PROMPTS[2]]  # known images, other text
+    ref = hf_llava_greedy(model, again[:1], MAX_NEW)
+    assert generate(llm, again)[:1] == ref
+    stats = llm.engine.stats().encoder_cache
+    assert (stats.hits, stats.misses, stats.entries) == (3, 4, 4), stats
+    assert llm.engine.core.runner.image_embeddings == {}
+
+
+def test_the_encoder_cache_keeps_unheld_embeddings_within_its_bound(llava):
+    model, refs = llava
+    one_image = LLAVA_TOKENS_PER_IMAGE * 64 * 4  # 25 embeddings of 64 float32
+    llm = LLM(str(model), dtype="float32", encoder_cache_mb=1.5 * one_image / 2**20)
+    assert generate(llm, PROMPTS) == refs  # 5 distinct images
+    stats = llm.engine.stats().encoder_cache
+    assert stats.entries == 1 and stats.bytes == one_image and stats.evictions == 4, stats
+
+
 def test_placeholders_that_do_not_fit_the_images_are_refused(llava):
     model, _ = llava
     llm = LLM(str(model), dtype="float32")
