@@ -36,6 +36,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
+    p.add_argument("--encoder-cache-mb", type=float, default=256.0,
+                   help="vision-language models: image embeddings no request holds, kept for the next request "
+                        "with the same image (least recently used out first)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
                    help="how the KV pool (and the KV store, and the wire) holds K and V: auto is the model's dtype; "
                         "int8 and fp8_e4m3 keep a scale per token and head (about 53%% of bf16's bytes)")
@@ -113,7 +116,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         compile=args.compile, kernels=not args.no_kernels, compute_path=args.compute_path,
         deterministic=args.deterministic,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype),
+                          enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                          encoder_cache_mb=args.encoder_cache_mb),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   decode_burst=args.decode_burst),
         kv_store=kv_store_config_from_args(args), step_trace_dir=step_trace_dir(args.step_trace),
@@ -182,6 +186,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                        help="the most workers the pool may have; POST /admin/workers refuses beyond it")
     serve.add_argument("--max-kv-session-bytes", type=int, default=2**30,
                        help="the largest KV session file POST /admin/kv/restore accepts (default: 1 GiB)")
+    serve.add_argument("--max-images-per-request", type=int, default=8,
+                       help="vision-language models: the most images a request may carry")
+    serve.add_argument("--max-image-bytes", type=int, default=8 * 2**20,
+                       help="the largest image, encoded (a data: URL's decoded payload, a fetched body); more is a 413")
+    serve.add_argument("--max-image-pixels", type=int, default=4096 * 3072,
+                       help="the most pixels (width x height) of one image, read from its header before decoding")
+    serve.add_argument("--allowed-image-hosts", default="",
+                       help="comma-separated hosts whose http(s) image URLs are fetched (default: none, only data: "
+                            "URLs: a server that fetches any URL a client names is an SSRF hole)")
     serve.add_argument("--max-n", type=int, default=16,
                        help="the most choices (n) a request may ask for; more is a 400 (default 16, at most 128)")
     serve.add_argument("--max-request-output-tokens", type=int, default=None,
@@ -393,7 +406,10 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from kvbaton.mm.images import ImageLimits
     from kvbaton.server.launch import ServeOptions, serve
+
+    image_hosts = frozenset(h.strip().lower() for h in args.allowed_image_hosts.split(",") if h.strip())
 
     autoscale = autoscale_from_args(args)
     deployment = deployment_from_args(args)
@@ -406,6 +422,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            max_n=args.max_n, max_kv_session_bytes=args.max_kv_session_bytes,
                            max_request_output_tokens=args.max_request_output_tokens,
                            generation_config=args.generation_config,
+                           images=ImageLimits(max_images=args.max_images_per_request, max_bytes=args.max_image_bytes,
+                                              max_pixels=args.max_image_pixels, allowed_hosts=image_hosts),
                            deployment=deployment, autoscale=autoscale)
     return serve(engine_config_from_args(args), options)
 

@@ -37,6 +37,7 @@ from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan, plan_compute
 from kvbaton.mm.encoder_cache import EncoderCache
 from kvbaton.mm.images import DecodedImage
+from kvbaton.mm.placeholders import image_spans
 from kvbaton.mm.vision import load_image_encoder
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
@@ -162,7 +163,8 @@ class EngineCore:
                                num_blocks=num_blocks, block_size=block_size,
                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
-                               eos_token_ids=eos_token_ids, compute_path=self.compute_plan.summary())
+                               eos_token_ids=eos_token_ids, compute_path=self.compute_plan.summary(),
+                               vision=self.model_config.vision)
         pools = self._allocate_pools(num_blocks, kv_transfer)
         self.store = build_store(config.kv_store, model_dir, pools)
         clock.lap("kv pools")
@@ -277,10 +279,12 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                    remote_decode: RemoteDecode | None = None) -> Request:
-        """A request for this engine (its EOS ids), as a worker receives one from the router."""
+                    remote_decode: RemoteDecode | None = None, image_digests: Sequence[str] = ()) -> Request:
+        """A request for this engine (its EOS ids), as a worker receives one from the router; with images, their
+        placeholders found in the prompt (InvalidRequestError unless they fit)."""
+        spans = image_spans(self.model_config.vision, prompt_token_ids, image_digests)
         return Request(request_id, prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids, priority=priority,
-                       remote_decode=remote_decode)
+                       remote_decode=remote_decode, image_spans=spans)
 
     def validate(self, req: Request) -> None:
         validate_request(self.info, req.prompt_token_ids, req.sampling_params, req.priority)

@@ -24,14 +24,25 @@ from kvbaton.sched.sampling_params import SamplingParams
 # ---- router -> worker ----------------------------------------------------------------------
 
 
+class ImagePixels(msgspec.Struct, frozen=True):
+    """A decoded image (`mm/images.py:DecodedImage`): the frontend decoded and hashed it, the worker encodes it."""
+
+    digest: str
+    width: int
+    height: int
+    rgb: bytes
+
+
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
-    """Compute this request here. With `remote_decode`, only its prompt (prefill role)."""
+    """Compute this request here. With `remote_decode`, only its prompt (prefill role). `images`: those whose
+    placeholders the prompt holds, in order (encoded where the prompt is computed)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
     remote_decode: RemoteDecode | None = None
+    images: list[ImagePixels] = []
 
 
 class PrepareReceive(msgspec.Struct, tag="prepare", kw_only=True):

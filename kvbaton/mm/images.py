@@ -21,12 +21,16 @@ import binascii
 import concurrent.futures
 import hashlib
 import io
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 import httpx
 from PIL import Image, UnidentifiedImageError
+
+from kvbaton.config import ConfigError
 
 # the formats a client may send (Pillow reads many more: each is parser code an attacker could aim at)
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -51,14 +55,19 @@ class ImageLimits:
     max_images: int = 8  # per request
     max_bytes: int = 8 * 2**20  # one image, encoded (after base64 decoding; a fetch's body)
     max_pixels: int = 4096 * 3072  # one image, width x height (12.6 MP)
+    # a request's images together: their RGB goes to the worker in one frame (64 MiB: messages' control limit)
+    max_request_pixels: int = 16 * 2**20
+    # the decoded images of every request in flight (a request holds its own until it ends: a retry on another
+    # worker sends them again): 128 MP is 384 MB of RGB; a request beyond waits for none, it is refused (503)
+    max_held_pixels: int = 128 * 2**20
     # hosts http(s) image URLs may name (exact names, lower case); empty: only data: URLs
     allowed_hosts: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
-        if min(self.max_images, self.max_bytes, self.max_pixels) < 1:
-            raise ValueError("image limits must be >= 1")
+        if min(self.max_images, self.max_bytes, self.max_pixels, self.max_request_pixels, self.max_held_pixels) < 1:
+            raise ConfigError("--max-images-per-request, --max-image-bytes and --max-image-pixels must be >= 1")
         if Image.MAX_IMAGE_PIXELS and self.max_pixels > 2 * Image.MAX_IMAGE_PIXELS:  # Pillow refuses beyond
-            raise ValueError(f"max_pixels must be <= {2 * Image.MAX_IMAGE_PIXELS} (Pillow's own bound)")
+            raise ConfigError(f"--max-image-pixels must be <= {2 * Image.MAX_IMAGE_PIXELS} (Pillow's own bound)")
 
 
 @dataclass(frozen=True)
@@ -134,14 +143,18 @@ async def fetch_image(client: httpx.AsyncClient, url: str, limits: ImageLimits, 
         raise ImageRefused(f"{where}: fetching the image failed ({type(exc).__name__})") from None
 
 
-def decode_image(data: bytes, limits: ImageLimits, where: str = "image_url") -> DecodedImage:
-    """`data` decoded to RGB (an animation's first frame), its size checked from the header first."""
+def decode_image(data: bytes, limits: ImageLimits, where: str = "image_url",
+                 reserve: Callable[[int, str], None] | None = None) -> DecodedImage:
+    """`data` decoded to RGB (an animation's first frame), its size checked from the header first; `reserve`
+    (pixels, where) may refuse the pixels before they are decoded."""
     try:
         with Image.open(io.BytesIO(data), formats=FORMATS) as im:  # reads the header only
             width, height = im.size
             if width * height > limits.max_pixels:
                 raise ImageRefused(f"{where}: the image is {width}x{height} = {width * height / 1e6:.1f} MP, over "
                                    f"this server's {limits.max_pixels / 1e6:.1f} MP")
+            if reserve is not None:
+                reserve(width * height, where)
             rgb = im.convert("RGB").tobytes()  # decodes: a truncated or corrupt image fails here
     except ImageRefused:
         raise
@@ -155,31 +168,71 @@ def decode_image(data: bytes, limits: ImageLimits, where: str = "image_url") -> 
     return DecodedImage.of_rgb(width, height, rgb)
 
 
+class ImageHold:
+    """The decoded pixels one request holds of its decoder's budget, from their header check until `release`
+    (idempotent: every path that ends the request calls it)."""
+
+    def __init__(self, decoder: ImageDecoder) -> None:
+        self._decoder = decoder
+        self.pixels = 0
+
+    def reserve(self, pixels: int, where: str) -> None:
+        """Called on a decoding thread, before the pixels are decoded: ImageRefused if they would not fit."""
+        decoder, limits = self._decoder, self._decoder.limits
+        with decoder._lock:
+            if self.pixels + pixels > limits.max_request_pixels:
+                raise ImageRefused(f"{where}: the request's images are over this server's "
+                                   f"{limits.max_request_pixels / 1e6:.1f} MP in all")
+            if decoder.held_pixels + pixels > limits.max_held_pixels:
+                raise ImageRefused(f"{where}: the images of the requests in flight fill this server's "
+                                   f"{limits.max_held_pixels / 1e6:.0f} MP; retry", 503)
+            self.pixels += pixels
+            decoder.held_pixels += pixels
+
+    def release(self) -> None:
+        with self._decoder._lock:
+            self._decoder.held_pixels -= self.pixels
+            self.pixels = 0
+
+
 class ImageDecoder:
     """Takes a request's image URLs to decoded images off the event loop: base64 and pixels on `threads` threads of
     its own, fetches (allowed hosts only) on the loop's client. At most `max_pending` images wait or decode at
-    once; a request that would go beyond is refused (503) whole, before any of its images is decoded."""
+    once, a request that would go beyond refused (503) whole before any of its images is decoded; the decoded
+    pixels of all requests in flight are bounded too (`ImageLimits.max_held_pixels`, `ImageHold`)."""
 
     def __init__(self, limits: ImageLimits, threads: int = 2, max_pending: int = 64) -> None:
         self.limits = limits
         self.max_pending = max_pending
+        self.held_pixels = 0  # by the requests in flight (under _lock: the decoding threads reserve)
+        self._lock = threading.Lock()
         self._pending = 0
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="kvbaton-images")
         self._client: httpx.AsyncClient | None = None
 
-    async def decode_all(self, urls: list[str]) -> list[DecodedImage]:
-        """Every image of a request, in order; ImageRefused naming the first that fails."""
+    async def decode_all(self, urls: list[str], hold: ImageHold | None = None) -> list[DecodedImage]:
+        """Every image of a request, in order, its pixels held by `hold` (released here if one fails);
+        ImageRefused naming the first that fails."""
         if len(urls) > self.limits.max_images:
             raise ImageRefused(f"image_url: {len(urls)} images, over this server's {self.limits.max_images} a request")
         if self._pending + len(urls) > self.max_pending:
             raise ImageRefused(f"image_url: {self._pending} images are being decoded, this server's most; retry", 503)
+        hold = hold if hold is not None else ImageHold(self)
         self._pending += len(urls)
         try:
-            return list(await asyncio.gather(*(self._one(url, f"image {i}") for i, url in enumerate(urls))))
+            # NOTE: every image runs to its end before the first failure is raised: one still decoding would
+            # reserve its pixels after the hold was released
+            done = await asyncio.gather(*(self._one(url, f"image {i}", hold) for i, url in enumerate(urls)),
+                                        return_exceptions=True)
         finally:
             self._pending -= len(urls)
+        failure = next((d for d in done if isinstance(d, BaseException)), None)
+        if failure is not None:
+            hold.release()
+            raise failure
+        return [d for d in done if isinstance(d, DecodedImage)]
 
-    async def _one(self, url: str, where: str) -> DecodedImage:
+    async def _one(self, url: str, where: str, hold: ImageHold) -> DecodedImage:
         loop = asyncio.get_running_loop()
         if url.startswith("data:"):
             data = await loop.run_in_executor(self._pool, data_url_bytes, url, self.limits, where)
@@ -188,7 +241,7 @@ class ImageDecoder:
             if self._client is None:
                 self._client = httpx.AsyncClient(trust_env=False)  # no proxy from the environment
             data = await fetch_image(self._client, url, self.limits, where)
-        return await loop.run_in_executor(self._pool, decode_image, data, self.limits, where)
+        return await loop.run_in_executor(self._pool, decode_image, data, self.limits, where, hold.reserve)
 
     async def aclose(self) -> None:
         if self._client is not None:

@@ -30,3 +30,16 @@ def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Se
         raise InvalidRequestError(f"the prompt holds {sum(n for _, n in runs)} image tokens ({vision.image_token_id}) "
                                   f"for {len(digests)} image(s): each image takes {vision.tokens_per_image} in a row")
     return tuple(ImageSpan(start, n, bytes.fromhex(d)) for (start, n), d in zip(runs, digests))
+
+
+def expand_placeholders(vision: VisionSpec, token_ids: Sequence[int], num_images: int) -> list[int]:
+    """A chat template renders each image as one image token (LLaVA's `<image>`): each becomes the
+    `tokens_per_image` placeholders its embeddings fill. InvalidRequestError unless the prompt holds one image
+    token per image (a client's text cannot add one: the special tokens it types are split into ordinary ones)."""
+    marks = sum(t == vision.image_token_id for t in token_ids)
+    if marks != num_images:
+        raise InvalidRequestError(f"the chat template rendered {marks} image tokens for {num_images} image(s)")
+    out: list[int] = []
+    for t in token_ids:
+        out.extend([t] * vision.tokens_per_image if t == vision.image_token_id else (t,))
+    return out

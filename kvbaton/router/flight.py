@@ -14,6 +14,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvbaton.messages.router_worker import ImagePixels
 from kvbaton.sched.sampling_params import SamplingParams
 
 
@@ -40,6 +41,7 @@ class Flight:
     failures: int = 0  # attempts that ended in a step that raised on it, or with their worker's death
     last_progress: float = field(default_factory=time.monotonic)  # arrival, then each output's arrival
     resuming: bool = False  # an attempt that continues a stream: its first output says what it restored
+    images: tuple[ImagePixels, ...] = ()  # those whose placeholders the prompt holds (each attempt sends them)
 
     def resume_costs(self, num_cached_tokens: int) -> tuple[int, int]:
         """(context tokens the resumed attempt found cached, tokens it recomputed), as of its first output."""

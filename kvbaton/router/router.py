@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,6 +32,7 @@ from kvbaton.messages.router_worker import (
     AbortRequests,
     AddRequest,
     CancelReceive,
+    ImagePixels,
     IntegrityReport,
     PrepareReceive,
     ReceiveReady,
@@ -166,14 +167,14 @@ class Router:
         validate_request(self.info, token_ids, params, priority)
 
     async def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int = 0, images: Sequence[ImagePixels] = ()) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs step by step; aborts it wherever it runs if the consumer
-        stops early (client gone, task cancelled)."""
+        stops early (client gone, task cancelled). `images`: those whose placeholders `token_ids` holds."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "no decode worker is running")
         self.validate(token_ids, params, priority)
         flight = Flight(request_id=request_id, prompt_token_ids=token_ids, params=params, priority=priority,
-                        queue=asyncio.Queue())
+                        queue=asyncio.Queue(), images=tuple(images))
         self.flights[request_id] = flight
         self.outputs.add_request(request_id, prompt, token_ids, params, time.monotonic())
         try:
@@ -226,8 +227,10 @@ class Router:
         self._decode_policy.note_routed(decode.name, prompt, salt)
         flight.decode = decode.name
         decode.attempts.add(flight.attempt_id)
+        # NOTE: a request with images prefills where it decodes: its images go with it, and a PD hand-off of their
+        # KV (the prefill worker encoding them) is E/P/D's, still to come
         if (self.pool.routable(WorkerRole.PREFILL) and len(prompt) >= self.config.local_prefill_threshold
-                and not flight.tokens):
+                and not flight.tokens and not flight.images):
             flight.phase = Phase.PREPARING
             await self.pool.send(decode, PrepareReceive(
                 request_id=flight.attempt_id, prompt_token_ids=prompt, params=flight.params, priority=flight.priority,
@@ -240,7 +243,7 @@ class Router:
         prompt, params = flight.continuation()
         flight.phase = Phase.DECODING
         await self.pool.send(decode, AddRequest(request_id=flight.attempt_id, prompt_token_ids=prompt, params=params,
-                                                priority=flight.priority))
+                                                priority=flight.priority, images=list(flight.images)))
 
     async def _on_receive_ready(self, flight: Flight, msg: ReceiveReady) -> None:
         decode = self.pool.get(flight.decode)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvbaton.config import VisionSpec
 from kvbaton.kv.store.base import TierStats
 from kvbaton.sched.kv_cache_manager import cdiv
 from kvbaton.sched.sampling_params import INT64_MAX, INT64_MIN, InvalidRequestError, SamplingParams
@@ -25,6 +26,7 @@ class EngineInfo:
     enable_chunked_prefill: bool
     eos_token_ids: tuple[int, ...]
     compute_path: str = ""  # the engine's ComputePlan, one line (kvbaton.platform.compute)
+    vision: VisionSpec | None = None  # a vision-language model's image placeholders (None: it takes no images)
 
 
 @dataclass(frozen=True, kw_only=True)

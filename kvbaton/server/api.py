@@ -24,6 +24,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbaton.config import ConfigError
+from kvbaton.messages.router_worker import ImagePixels
+from kvbaton.mm.images import DecodedImage, ImageDecoder, ImageHold, ImageRefused
+from kvbaton.mm.placeholders import expand_placeholders
 from kvbaton.router.errors import EngineError
 from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
@@ -64,6 +67,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(settings.served_model_name)
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
         self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
+        self.images = ImageDecoder(settings.images)
         self.kv_sessions = KVSessions(client, self.prompts, settings.kv_session_secret)
         self.tool_schemas = ToolSchemaCheck()
         self.grammars = GrammarCheck(client.tokenizer, client.info.vocab_size, client.info.eos_token_ids)
@@ -103,6 +107,15 @@ class OpenAIServer:
         return params
 
     async def handle(self, req: CompletionRequest | ChatCompletionRequest, raw: Request) -> Response:
+        hold = ImageHold(self.images)  # the request's decoded images, held until it ends (released on every path)
+        try:
+            return await self._handle(req, raw, hold)
+        except BaseException:
+            hold.release()
+            raise
+
+    async def _handle(self, req: CompletionRequest | ChatCompletionRequest, raw: Request, hold: ImageHold,
+                      ) -> Response:
         self.check_model(req.model)
         self.check_priority(req.priority)
         params = self.sampling_params(req)  # cheap checks first: the prompt's costly ones come after
@@ -111,6 +124,7 @@ class OpenAIServer:
                                       "structured_outputs" if req.structured_outputs else "response_format")
         echo: list[str] | None = None
         tool_calling: ToolCalling | None = None
+        images: list[DecodedImage] = []
         if isinstance(req, CompletionRequest):
             kind, top_n = "completion", req.logprobs
             prompts = [await self.prompts.completion(p) for p in req.prompt]
@@ -133,7 +147,10 @@ class OpenAIServer:
                 if spec is not None:
                     await self.grammars.check(spec, "tools")
                     params = dataclasses.replace(params, structured_output=spec)
+            images = await self._images(req.image_urls(), hold)  # before the template: the cheaper refusals first
             prompts = [await self.prompts.chat(rendered.messages, tools=rendered.tools)]
+            if images:
+                prompts = [(text, self._with_placeholders(ids, len(images))) for text, ids in prompts]
         for _, token_ids in prompts:
             try:
                 self.client.validate(token_ids, dataclasses.replace(params, n=1), req.priority)
@@ -152,18 +169,21 @@ class OpenAIServer:
                 for admitted in choices[:i]:
                     self.admission.started(admitted.request_id)
                 self.metrics.rejected.labels(self.settings.served_model_name).inc()
+                hold.release()
                 return HttpError(503, refusal, "ServiceUnavailableError").response(
                     headers={"Retry-After": str(self.settings.retry_after_s)})
 
         def release() -> None:  # every choice's entry, on every path: a choice that never started included
             for c in choices:
                 self.admission.started(c.request_id)
+            hold.release()
 
         try:
             builder = ResponseBuilder(kind, request_id, self.settings.served_model_name, top_n,
                                       echo=None if echo is None else [echo[c.index // params.n] for c in choices],
                                       n=params.n)
-            streams = {c.index: self._outputs(c.request_id, c.prompt, c.token_ids, c.params, req.priority)
+            pixels = [ImagePixels(im.digest, im.width, im.height, im.rgb) for im in images]
+            streams = {c.index: self._outputs(c.request_id, c.prompt, c.token_ids, c.params, req.priority, pixels)
                        for c in choices}
             if req.stream:
                 return ClosingStreamingResponse(self._stream(streams, builder, kind, req.include_usage, tool_calling),
@@ -176,12 +196,33 @@ class OpenAIServer:
         finally:
             release()
 
+    async def _images(self, urls: list[str], hold: ImageHold) -> list[DecodedImage]:
+        """A chat's images, decoded off the loop; ApiError naming why one is refused."""
+        if not urls:
+            return []
+        if self.client.info.vision is None:
+            raise ApiError(400, f"the model {self.settings.served_model_name!r} does not take images",
+                           "BadRequestError", "messages")
+        try:
+            return await self.images.decode_all(urls, hold)
+        except ImageRefused as exc:
+            error = "ServiceUnavailableError" if exc.status == 503 else "BadRequestError"
+            raise ApiError(exc.status, f"messages: {exc}", error, "messages") from None
+
+    def _with_placeholders(self, token_ids: list[int], num_images: int) -> list[int]:
+        vision = self.client.info.vision
+        assert vision is not None, "checked by _images"
+        try:
+            return expand_placeholders(vision, token_ids, num_images)
+        except InvalidRequestError as exc:
+            raise ApiError(400, str(exc), "BadRequestError", "messages") from None
+
     async def _outputs(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-                       priority: int) -> AsyncGenerator[RequestOutput, None]:
+                       priority: int, images: list[ImagePixels]) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs with metrics and admission bookkeeping attached."""
         last = None
         try:
-            async for out in self.client.generate(request_id, prompt, token_ids, params, priority):
+            async for out in self.client.generate(request_id, prompt, token_ids, params, priority, images):
                 now = time.monotonic()
                 if last is None:
                     self.admission.started(request_id)
@@ -266,6 +307,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
         yield
         await server.kv_sessions.close()
         server.prompts.close()
+        await server.images.aclose()
         server.grammars.close()
         server.tool_schemas.close()
 

@@ -39,7 +39,8 @@ class ChatEncoder:
                render: Callable[[list[dict[str, Any]]], str], add_special_tokens: bool) -> list[int]:
         """`text` (`render(messages)`) as token ids; `render` is the chat template with the request's settings."""
         self._refuse_special_beyond_content(messages, tools)
-        escaped = {i for i, m in enumerate(messages) if self.typed_special(m.get("content") or "")}
+        escaped = {i for i, m in enumerate(messages)
+                   if isinstance(m.get("content"), str) and self.typed_special(m["content"])}
         if not escaped:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         marked = [dict(m, content=MARKER.format(i)) if i in escaped else m for i, m in enumerate(messages)]
@@ -58,6 +59,13 @@ class ChatEncoder:
 
     def _refuse_special_beyond_content(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict] | None) -> None:
         for i, m in enumerate(messages):
+            # a message with images is rendered from its parts (`plain_messages`), which are not escaped: a special
+            # token's text there (an image token among them) is refused, never taken for the token
+            if not isinstance(m.get("content"), str):
+                for part in m.get("content") or ():
+                    if special := self.typed_special(part.get("text") or ""):
+                        raise ApiError(400, f"messages[{i}].content holds the text of the special token {special!r} "
+                                            "beside an image: remove it", "BadRequestError", "messages")
             for j, call in enumerate(m.get("tool_calls") or ()):
                 if special := self.typed_special(json.dumps(call, ensure_ascii=False)):
                     raise ApiError(400, f"messages[{i}].tool_calls[{j}] holds the text of the special token "

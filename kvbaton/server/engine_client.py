@@ -10,10 +10,11 @@ module takes the part it uses. The server imports these protocols, never the rou
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol
 
 from kvbaton.kv.store.session import StoreTarget
+from kvbaton.messages.router_worker import ImagePixels
 from kvbaton.sched.info import EngineInfo, EngineStats
 from kvbaton.sched.sampling_params import SamplingParams
 from kvbaton.text.request_output import RequestOutput
@@ -56,7 +57,7 @@ class RequestClient(Protocol):
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None: ...
 
     def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...
+                 priority: int = 0, images: Sequence[ImagePixels] = ()) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -19,6 +19,7 @@ from kvbaton.cluster import janitor
 from kvbaton.cluster.autoscale_policy import AutoscaleConfig, check_deployment
 from kvbaton.cluster.deploy import DeploymentSpec, deploy
 from kvbaton.config import ConfigError, EngineConfig
+from kvbaton.mm.images import ImageLimits
 from kvbaton.models.registry import DEFAULT_MODEL, resolve_model
 from kvbaton.router.router import Router
 from kvbaton.router.worker_pool import WorkerPool
@@ -49,6 +50,7 @@ class ServeOptions:
     max_request_output_tokens: int | None = None  # None: the model's default (server.output_budget)
     max_kv_session_bytes: int = 2**30
     generation_config: str = AUTO  # auto | vllm | PATH, as vLLM's --generation-config
+    images: ImageLimits = field(default_factory=ImageLimits)  # vision-language models' image inputs
     deployment: DeploymentSpec = field(default_factory=DeploymentSpec)  # default: one colocated worker
     autoscale: AutoscaleConfig | None = None  # None: the pools keep their size unless told (POST /admin/workers)
 
@@ -80,7 +82,7 @@ def serve(config: EngineConfig, options: ServeOptions) -> int:
                               max_priority_range=options.max_priority_range, max_workers=options.max_workers,
                               max_n=options.max_n, generation_defaults=defaults,
                               max_request_output_tokens=options.max_request_output_tokens,
-                              max_kv_session_bytes=options.max_kv_session_bytes,
+                              max_kv_session_bytes=options.max_kv_session_bytes, images=options.images,
                               kv_session_secret=cluster_secret())  # the workers' too: deploy is given it
     listener = bind_listener(options.host, options.port)  # a port in use fails here, before any worker starts
     try:

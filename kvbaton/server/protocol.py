@@ -12,7 +12,16 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvbaton.sched.grammar_spec import MAX_CHOICES, MAX_GRAMMAR_CHARS, StructuredOutput
 from kvbaton.sched.info import MAX_STOP_TOKEN_IDS
@@ -304,20 +313,46 @@ class ChatMessage(ToolMessageFields):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | None = None  # after validation: text parts joined
+    # the message's `image_url` parts' URLs, in order, and (with any) its parts as a chat template takes them:
+    # {"type": "text", "text": ...} and {"type": "image"} (private: no client sets them but through `content`)
+    _image_urls: list[str] = PrivateAttr(default_factory=list)
+    _template_parts: list[dict[str, Any]] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _take_images(cls, data: Any, handler: Any) -> ChatMessage:
+        """`image_url` parts (`{"type": "image_url", "image_url": {"url": ...}}`), once `_text_content` checked
+        every part: their URLs in `_image_urls`, and the parts as a template takes them in `_template_parts`."""
+        message = handler(data)
+        content = data.get("content") if isinstance(data, dict) else None
+        if isinstance(content, list) and any(_is_image_part(p) for p in content):
+            message._image_urls = [_image_url(p, i) for i, p in enumerate(content) if _is_image_part(p)]
+            message._template_parts = [{"type": "image"} if _is_image_part(p) else {"type": "text", "text": p["text"]}
+                                       for p in content]
+        return message
+
+    @property
+    def image_urls(self) -> list[str]:
+        return self._image_urls
 
     @field_validator("content", mode="plain", json_schema_input_type=str | list[dict[str, Any]] | None)
     @classmethod
     def _text_content(cls, content: Any) -> str | None:
-        """A string, None, or a list of `{"type": "text", "text": ...}` parts (joined)."""
+        """A string, None, or a list of `{"type": "text", "text": ...}` parts (joined) and `image_url` parts
+        (their URLs checked here, taken by `_take_images`)."""
         if content is None or isinstance(content, str):
             return None if content is None else utf8_text(content, "content")
         if not isinstance(content, list):
             raise ValueError("content must be a string, a list of content parts, or null")
         texts = []
         for i, part in enumerate(content):
+            if _is_image_part(part):
+                _image_url(part, i)
+                continue
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"content part {i}: type {str(kind)[:40]!r} is not supported (only 'text')")
+                raise ValueError(f"content part {i}: type {str(kind)[:40]!r} is not supported ('text' or "
+                                 "'image_url')")
             if not isinstance(part.get("text"), str):
                 raise ValueError(f"content part {i}: text must be a string")
             texts.append(utf8_text(part["text"], f"content part {i}"))
@@ -340,12 +375,36 @@ class ChatCompletionRequest(_SamplingFields, ToolFields):
     def plain_messages(self) -> list[dict]:
         return plain_messages(self.messages)
 
+    def image_urls(self) -> list[str]:
+        """Every message's images, in the order the prompt holds them."""
+        return [url for m in self.messages for url in m.image_urls]
+
+
+MAX_IMAGE_URL_CHARS = 64 * 2**20  # a data: URL's base64 (the request body's own bound comes first)
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def _image_url(part: dict, index: int) -> str:
+    """An `image_url` part's URL: `{"image_url": {"url": ...}}` (OpenAI) or `{"image_url": "..."}`."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"content part {index}: image_url needs a url (a data: URL or an http(s) URL)")
+    if len(url) > MAX_IMAGE_URL_CHARS:
+        raise ValueError(f"content part {index}: the image URL is over {MAX_IMAGE_URL_CHARS} characters")
+    return url
+
 
 def plain_messages(messages: list[ChatMessage]) -> list[dict]:
-    """Messages as the chat template takes them: role, text, and the tool parts of the history."""
+    """Messages as the chat template takes them: role, text (a message with images: its parts, each image a
+    `{"type": "image"}` part), and the tool parts of the history."""
     out = []
     for m in messages:
-        message: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        parts = m._template_parts
+        message: dict[str, Any] = {"role": m.role, "content": parts if parts is not None else m.content or ""}
         if m.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
         if m.tool_call_id is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvbaton.config import ConfigError
+from kvbaton.mm.images import ImageLimits
 from kvbaton.sched.sampling_params import INT64_MAX, MAX_N
 from kvbaton.server.admission import AdmissionLimits
 from kvbaton.text.generation_config import GenerationDefaults
@@ -35,6 +36,7 @@ class ServerSettings:
     max_kv_session_bytes: int = 2**30  # POST /admin/kv/restore's body: a session file
     # signs KV session files (the deployment's cluster secret; None: sessions are unavailable)
     kv_session_secret: bytes | None = field(default=None, repr=False)
+    images: ImageLimits = field(default_factory=ImageLimits)  # vision-language models: what a request's images may be
 
     def __post_init__(self) -> None:
         if min(self.max_request_bytes, self.max_kv_session_bytes) < 1024:

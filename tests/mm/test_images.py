@@ -21,6 +21,7 @@ from PIL import Image
 from kvbaton.mm.images import (
     DecodedImage,
     ImageDecoder,
+    ImageHold,
     ImageLimits,
     ImageRefused,
     allowed_url,
@@ -229,6 +230,30 @@ def test_a_request_s_images_are_bounded_in_count_and_the_decoders_in_what_waits(
         assert busy.value.status == 503
         assert len(await first) == 3
         assert len(await decoder.decode_all([png_url] * 3)) == 3  # the slots came back
+        await decoder.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_decoded_pixels_are_bounded_per_request_and_over_the_requests_in_flight():
+    png_url = data_url(encoded(picture(size=(100, 100)), "PNG"))  # 10 000 pixels
+    decoder = ImageDecoder(ImageLimits(max_request_pixels=25_000, max_held_pixels=40_000))
+
+    async def scenario() -> None:
+        with pytest.raises(ImageRefused, match="over this server's 0.0 MP in all") as over:
+            await decoder.decode_all([png_url] * 3)  # 30 000 > 25 000 for one request
+        assert over.value.status == 400 and decoder.held_pixels == 0  # what it had reserved went back
+        first, second = ImageHold(decoder), ImageHold(decoder)
+        await decoder.decode_all([png_url] * 2, first)
+        await decoder.decode_all([png_url] * 2, second)
+        assert decoder.held_pixels == 40_000
+        with pytest.raises(ImageRefused, match="fill this server's") as full:
+            await decoder.decode_all([png_url])  # 10 000 more than the 40 000 in flight allow
+        assert full.value.status == 503 and decoder.held_pixels == 40_000
+        first.release()
+        first.release()  # idempotent: every path that ends a request releases
+        assert decoder.held_pixels == 20_000
+        assert len(await decoder.decode_all([png_url])) == 1
         await decoder.aclose()
 
     asyncio.run(scenario())

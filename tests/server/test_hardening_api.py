@@ -45,7 +45,10 @@ def _tool(i: int, parameters: dict) -> dict:
 
 HOSTILE = [  # (path, body: dict or raw JSON text, the param the error must name; None: no field to name)
     (CHAT, _chat([{"type": "text", "text": 5}]), "messages.0.content"),
-    (CHAT, _chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages.0.content"),
+    # images to a text-only model (refused before a byte of them is decoded), an image part without its URL
+    (CHAT, _chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages"),
+    (CHAT, _chat([{"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]), "messages"),
+    (CHAT, _chat([{"type": "image_url", "image_url": {"detail": "auto"}}]), "messages.0.content"),
     (CHAT, _chat([[1, 2]]), "messages.0.content"),
     (CHAT, _chat("hi", role="wizard"), "messages.0.role"),
     (CHAT, _chat(5), "messages.0.content"),

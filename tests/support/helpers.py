@@ -13,7 +13,7 @@ from tests.support.budget import release_memory
 TINY_VOCAB = 320
 
 
-def build_tiny_tokenizer(out_dir: Path) -> None:
+def build_tiny_tokenizer(out_dir: Path, chat_template: str | None = None) -> None:
     """A word-level tokenizer over words t0..t{V-1}; enough to exercise text paths."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -24,7 +24,9 @@ def build_tiny_tokenizer(out_dir: Path) -> None:
     from tokenizers import decoders
 
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0").save_pretrained(str(out_dir))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
+    fast.chat_template = chat_template
+    fast.save_pretrained(str(out_dir))
 
 
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
@@ -198,6 +200,10 @@ def build_deepseek_checkpoint(out_dir: Path, seed: int = 0, **overrides: object)
 
 LLAVA_IMAGE_TOKEN = TINY_VOCAB - 1  # "t319": the tiny tokenizer's last word stands for an image's positions
 LLAVA_TOKENS_PER_IMAGE = 25  # 30 x 30 pixels in 6 x 6 patches, the CLS position dropped
+# each message's text, or its parts in order, an image as its image token ("t319"), words apart by spaces
+LLAVA_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
+                       "{% for p in m['content'] %}{% if p['type'] == 'image' %}t319 {% else %}{{ p['text'] }} "
+                       "{% endif %}{% endfor %}{% endif %}{% endfor %}")
 
 
 def build_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
@@ -222,7 +228,7 @@ def build_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
                       image_seq_length=LLAVA_TOKENS_PER_IMAGE)
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(cfg).float().save_pretrained(str(out_dir))
-    build_tiny_tokenizer(out_dir)
+    build_tiny_tokenizer(out_dir, LLAVA_CHAT_TEMPLATE)
     CLIPImageProcessor(size={"shortest_edge": 30}, crop_size={"height": 30, "width": 30}).save_pretrained(str(out_dir))
     return out_dir
 

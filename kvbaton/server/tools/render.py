@@ -95,6 +95,12 @@ def _text(message: Mapping[str, Any], i: int) -> str:
     return content or ""
 
 
+def _content(message: Mapping[str, Any], i: int) -> str | list[dict[str, Any]]:
+    """The text, or for a message with images its parts as the template takes them (`plain_messages`)."""
+    content = message.get("content")
+    return content if isinstance(content, list) else _text(message, i)
+
+
 def _calls(message: Mapping[str, Any], i: int) -> list[MessageToolCall]:
     calls = []
     for j, call in enumerate(message.get("tool_calls") or []):
@@ -116,7 +122,7 @@ def _arguments(call: MessageToolCall) -> Any:
 
 
 def _native(message: Mapping[str, Any], i: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"role": message["role"], "content": _text(message, i)}
+    out: dict[str, Any] = {"role": message["role"], "content": _content(message, i)}
     if calls := _calls(message, i):
         out["tool_calls"] = [{"id": c.id, "type": "function",
                               "function": {"name": c.function.name, "arguments": _arguments(c)}} for c in calls]
@@ -130,7 +136,15 @@ def _fallback(messages: Sequence[Mapping[str, Any]], tools: Sequence[Tool]) -> l
     out: list[dict[str, Any]] = []
     previous_role = None
     for i, message in enumerate(messages):
-        role, text = message["role"], _text(message, i)
+        role, content = message["role"], _content(message, i)
+        if isinstance(content, list):  # a message with images: its parts, the call blocks after them
+            if role == "tool":
+                raise ValueError(f"messages[{i}]: a tool's result takes no images")
+            calls = _with_calls("", _calls(message, i))
+            out.append({"role": role, "content": content + ([{"type": "text", "text": calls}] if calls else [])})
+            previous_role = role
+            continue
+        text = content
         if role == "tool":
             block = f"<tool_response>\n{text}\n</tool_response>"
             # consecutive results (of parallel calls) share one user turn, as Qwen2.5's template does

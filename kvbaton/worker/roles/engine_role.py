@@ -30,6 +30,7 @@ from kvbaton.messages.router_worker import (
     WorkerOutputs,
 )
 from kvbaton.messages.worker_spec import WorkerSpec
+from kvbaton.mm.images import DecodedImage
 from kvbaton.models.registry import resolve_model
 from kvbaton.paths import cache_root
 from kvbaton.platform.startup import StartupClock
@@ -161,10 +162,14 @@ class EngineRole(Role):
     # ---- commands ----------------------------------------------------------------------------
 
     def _add(self, worker: WorkerContext, msg: AddRequest) -> None:
-        req = self.core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority, msg.remote_decode)
+        # NOTE: a request's images are encoded here, on the worker's loop, before its steps (`--encode 0`): an
+        # encoder worker (E/P/D) takes that time off the steps of the requests running beside it
+        images = [DecodedImage(p.digest, p.width, p.height, p.rgb) for p in msg.images]
         try:
-            self.core.add_request(req)
-        except (InvalidRequestError, ValueError) as exc:
+            req = self.core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority,
+                                        msg.remote_decode, [im.digest for im in images])
+            self.core.add_request(req, images)
+        except (InvalidRequestError, ValueError, RuntimeError) as exc:  # RuntimeError: an image the tower refused
             logger.warning("refused request %s: %s", msg.request_id, exc)
             worker.send(RequestFailed(worker.name, msg.request_id, str(exc)))
 

@@ -1,0 +1,129 @@
+"""A vision-language model served (`kvbaton serve`, images encoded in the colocated worker): chat requests with
+`image_url` parts (base64 data: URLs) answer transformers' fp32 greedy tokens; the same picture sent again in
+another lossless encoding is an encoder-cache hit (`/metrics`); text-only turns of the same model are unharmed;
+and each bad image or image request gets a 4xx naming why while the server goes on serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+import struct
+import zlib
+
+import httpx
+import pytest
+from PIL import Image
+
+from tests.support.helpers import LLAVA_IMAGE_TOKEN, LLAVA_TOKENS_PER_IMAGE, build_tiny_llava, hf_llava_greedy
+from tests.support.server import served, wait_idle
+from tests.support.wait import wait_until
+
+MAX_NEW = 6
+
+
+def picture(seed: int) -> Image.Image:
+    rng = random.Random(seed)
+    return Image.frombytes("RGB", (40, 36), bytes(rng.randrange(256) for _ in range(40 * 36 * 3)))
+
+
+def data_url(image: Image.Image, fmt: str = "PNG", **kwargs) -> str:
+    out = io.BytesIO()
+    image.save(out, fmt, **kwargs)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(out.getvalue()).decode()}"
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def raw_data_url(data: bytes) -> str:
+    return f"data:image/png;base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat(base: str, content: list[dict] | str) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": MAX_NEW, "temperature": 0,
+        "ignore_eos": True})
+
+
+def token_ids(text: str) -> list[int]:
+    """The tiny tokenizer's ids of `text` (words t0..t319), each image token expanded to its placeholders."""
+    ids = [int(word[1:]) for word in text.split()]
+    return [i for t in ids for i in ([t] * LLAVA_TOKENS_PER_IMAGE if t == LLAVA_IMAGE_TOKEN else [t])]
+
+
+def bomb(side: int) -> bytes:
+    """A grayscale PNG of side x side zeros (a decompression bomb: ~side² / 1000 bytes on the wire)."""
+    compress = zlib.compressobj(9)
+    idat = b"".join(compress.compress(b"\x00" * (side + 1)) for _ in range(side)) + compress.flush()
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="module")
+def vision_server(tmp_path_factory):
+    model = build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    with served("--model", str(model), "--dtype", "float32", "--max-request-bytes", str(16 * 2**20),
+                "--max-images-per-request", "2", "--max-image-pixels", str(2**20)) as server:
+        yield model, server
+
+
+def test_chats_with_images_answer_transformers_tokens_and_a_repeated_image_hits_the_cache(vision_server):
+    model, server = vision_server
+    cases = [
+        ("t5 t6 t319 t7", [{"type": "text", "text": "t5 t6"}, image_part(data_url(picture(1))),
+                           {"type": "text", "text": "t7"}]),
+        ("t319 t9 t319 t3", [image_part(data_url(picture(2))), {"type": "text", "text": "t9"},
+                             image_part(data_url(picture(3))), {"type": "text", "text": "t3"}]),
+        ("t11 t12 t13", "t11 t12 t13"),  # a text-only turn of the same model
+        # picture 1 again, as lossless WebP: the same pixels, so the same image (an encoder-cache hit)
+        ("t8 t319", [{"type": "text", "text": "t8"}, image_part(data_url(picture(1), "WEBP", lossless=True))]),
+    ]
+    images = {0: [picture(1)], 1: [picture(2), picture(3)], 2: [], 3: [picture(1)]}
+    refs = hf_llava_greedy(model, [(token_ids(text), images[i]) for i, (text, _) in enumerate(cases)], MAX_NEW)
+    for (text, content), ref in zip(cases, refs):
+        resp = chat(server.base, content)
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["choices"][0]["message"]["content"].split() == [f"t{t}" for t in ref], text
+        assert body["usage"]["prompt_tokens"] == len(token_ids(text))  # the image tokens counted
+    # the worker's counters reach /metrics with its next load report
+    wait_until(lambda: (metric(server.base, "hits"), metric(server.base, "misses")) == (1, 3), 30,
+               message=lambda: httpx.get(f"{server.base}/metrics").text[-3000:])
+    wait_idle(server.base)
+
+
+def metric(base: str, name: str) -> float | None:
+    """The encoder cache's `name` gauge in /metrics (None: not there)."""
+    prefix = f"kvbaton:encoder_cache_{name}{{"
+    return next((float(line.split()[-1]) for line in httpx.get(f"{base}/metrics").text.splitlines()
+                 if line.startswith(prefix)), None)
+
+
+@pytest.mark.parametrize(("content", "status", "why"), [
+    ([image_part(raw_data_url(png_bytes(picture(5))[:300]))], 400, "truncated or corrupt"),
+    ([image_part(raw_data_url(b"%PDF-1.7 not a picture"))], 400, "not an image"),
+    ([image_part(raw_data_url(bomb(10000)))], 400, "10000x10000 = 100.0 MP"),
+    ([image_part("data:image/png;base64,@@@@")], 400, "not valid base64"),
+    ([image_part("http://127.0.0.1:1/cat.png")], 400, "image URLs are off"),
+    ([image_part(data_url(picture(1)))] * 3, 400, "3 images, over this server's 2"),
+    ([{"type": "text", "text": "t1"}, {"type": "image_url", "image_url": {}}], 400, "needs a url"),
+], ids=["truncated", "not-an-image", "100-megapixels", "bad-base64", "url-while-urls-are-off", "too-many",
+        "no-url"])
+def test_a_bad_image_is_a_4xx_naming_why_and_the_server_serves_on(vision_server, content, status, why):
+    _, server = vision_server
+    resp = chat(server.base, content)
+    assert resp.status_code == status, resp.text
+    assert why in resp.json()["error"]["message"], resp.text
+    assert chat(server.base, [{"type": "text", "text": "t1"}, image_part(data_url(picture(4)))]).status_code == 200
