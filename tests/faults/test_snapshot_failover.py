@@ -1,4 +1,4 @@
-"""Snapshot failover: two colocated replicas over the node's shm KV tier, four streams of 0.5k-token contexts,
+"""Snapshot failover: two colocated replicas over the node's shm KV tier, four streams of 264-token contexts,
 and one replica SIGKILLed mid-stream. Its decoding requests' full blocks were written through to the arena as
 they filled, so the router's resumed attempts (prompt + the tokens each client already has) load that context
 on the other replica and recompute only the last, partial block. Every stream completes, token-identical to
@@ -24,7 +24,7 @@ from tests.support.wait import async_wait_until
 pytestmark = pytest.mark.slow
 
 NUM_STREAMS = 4  # round robin gives the victim two
-CONTEXT = 520  # 32 full blocks and a partial one
+CONTEXT = 264  # 16 full blocks and a partial one
 MAX_NEW = 20  # 14 tokens after the kill: enough to see every stream resume exactly
 BLOCK = 16
 KILL_AFTER = 6  # tokens each of the victim's streams has before the kill

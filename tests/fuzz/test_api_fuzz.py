@@ -45,7 +45,7 @@ pytestmark = pytest.mark.slow
 # recursion depth mismatch", a CPython bug) when it happened deep in a test session.
 
 SEED = int(os.environ.get("KVBATON_FUZZ_SEED", "1010"))
-MAX_EXAMPLES = 100
+MAX_EXAMPLES = 60
 # Wall time per deployment; cases drawn after it are not sent (counted as unsent). NOTE: PD gets more: each
 # answered case there crosses three processes (prefill, KV handoff, decode) and is several times slower.
 BUDGET_S = {"colocated": 18.0, "pd": 25.0}
