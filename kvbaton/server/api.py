@@ -367,7 +367,7 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     add_worker_routes(app, client, settings.max_workers)
     add_diagnostic_routes(app, client)
     add_kv_session_routes(app, server.kv_sessions)
-    add_tokenize_routes(app, Tokenization(server.prompts, server.check_model), settings.api_key)
+    add_tokenize_routes(app, Tokenization(server.prompts, server.check_model, client.info.vision), settings.api_key)
     return app
 
 

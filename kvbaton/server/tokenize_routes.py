@@ -20,10 +20,13 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from kvbaton import __version__
+from kvbaton.config import VisionSpec
+from kvbaton.mm.placeholders import expand_placeholders
+from kvbaton.sched.sampling_params import InvalidRequestError
 from kvbaton.server.errors import ApiError
 from kvbaton.server.guards import bearer_matches
 from kvbaton.server.prompts import PromptEncoder
-from kvbaton.server.protocol import ChatMessage, TokenIds, utf8_text
+from kvbaton.server.protocol import ChatMessage, TokenIds, plain_messages, utf8_text
 
 
 class TokenizeRequest(BaseModel):
@@ -58,6 +61,7 @@ class Tokenization:
 
     prompts: PromptEncoder
     check_model: Callable[[str | None], None]
+    vision: VisionSpec | None = None  # a vision-language model's image placeholders
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -66,8 +70,18 @@ class Tokenization:
                            "BadRequestError", "messages" if req.messages is not None else "prompt")
         if req.messages is not None:
             param = "messages"
-            messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+            # NOTE: an image counts as the placeholders it will take (LLaVA's do not depend on its pixels, so
+            # none is decoded here)
+            images = sum(len(m.image_urls) for m in req.messages)
+            if images and self.vision is None:
+                raise ApiError(400, "this model does not take images", "BadRequestError", "messages")
+            messages = [{"role": m["role"], "content": m["content"]} for m in plain_messages(req.messages)]
             _, ids = await self.prompts.chat(messages, req.add_generation_prompt, req.add_special_tokens)
+            if images and self.vision is not None:
+                try:
+                    ids = expand_placeholders(self.vision, ids, images)
+                except InvalidRequestError as exc:
+                    raise ApiError(400, str(exc), "BadRequestError", "messages") from None
         else:
             param = "prompt"
             _, ids = await self.prompts.completion(req.prompt or "", req.add_special_tokens)

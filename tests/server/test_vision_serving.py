@@ -1,5 +1,6 @@
 """A vision-language model served (`kvbaton serve`, images encoded in the colocated worker): chat requests with
-`image_url` parts (base64 data: URLs) answer transformers' fp32 greedy tokens; the same picture sent again in
+`image_url` parts (base64 data: URLs) answer transformers' fp32 greedy tokens, their image tokens counted in
+`usage` and by `/tokenize`; the same picture sent again in
 another lossless encoding is an encoder-cache hit (`/metrics`); text-only turns of the same model are unharmed;
 and each bad image or image request gets a 4xx naming why while the server goes on serving."""
 
@@ -98,6 +99,8 @@ def test_chats_with_images_answer_transformers_tokens_and_a_repeated_image_hits_
         body = resp.json()
         assert body["choices"][0]["message"]["content"].split() == [f"t{t}" for t in ref], text
         assert body["usage"]["prompt_tokens"] == len(token_ids(text))  # the image tokens counted
+        tokenized = httpx.post(f"{server.base}/tokenize", json={"messages": [{"role": "user", "content": content}]})
+        assert tokenized.json()["tokens"] == token_ids(text), tokenized.text  # /tokenize counts them alike
     # the worker's counters reach /metrics with its next load report
     wait_until(lambda: (metric(server.base, "hits"), metric(server.base, "misses")) == (1, 3), 30,
                message=lambda: httpx.get(f"{server.base}/metrics").text[-3000:])
