@@ -6,6 +6,7 @@ and each bad image or image request gets a 4xx naming why while the server goes 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import random
@@ -130,3 +131,34 @@ def test_a_bad_image_is_a_4xx_naming_why_and_the_server_serves_on(vision_server,
     assert resp.status_code == status, resp.text
     assert why in resp.json()["error"]["message"], resp.text
     assert chat(server.base, [{"type": "text", "text": "t1"}, image_part(data_url(picture(4)))]).status_code == 200
+
+
+def test_a_burst_of_image_requests_is_served_or_refused_clearly_and_none_is_lost(vision_server):
+    """200 image chats at once: each is answered (its tokens) or refused with a clear 503 (the decoders' bound:
+    64 images waiting or decoding), within a deadline; at least that bound's worth is served, and the server is
+    idle after."""
+    _, server = vision_server
+    urls = [data_url(picture(100 + i)) for i in range(20)]  # repeated: the encoder cache serves some
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int | str]:
+        resp = await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": f"t{1 + i % 300}"},
+                                                      image_part(urls[i % len(urls)])]}],
+            "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+        body = resp.json()
+        return resp.status_code, (body["usage"]["completion_tokens"] if resp.status_code == 200
+                                  else body["error"]["message"])
+
+    async def burst() -> list[tuple[int, int | str]]:
+        async with httpx.AsyncClient(base_url=server.base, timeout=180) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(200))), 240)
+
+    results = list(asyncio.run(burst()))
+    served = [tokens for status, tokens in results if status == 200]
+    refused = [str(text) for status, text in results if status != 200]
+    assert all(status in (200, 503) for status, _ in results), results
+    assert all(tokens == 2 for tokens in served), served
+    assert all("retry" in text for text in refused), refused[:3]
+    assert len(served) >= 64, (len(served), refused[:3])
+    print(f"burst: {len(served)} served, {len(refused)} refused")
+    wait_idle(server.base)
