@@ -61,7 +61,7 @@ class ModelRunner:
         self.kv_sender = kv_sender  # prefill role: each layer's KV goes out as soon as it is computed
         self.grammars: GrammarMatchers | None = None  # set by the core with the first structured request
         # per request with images: (prompt position of an image's first placeholder, its embeddings [n, E]),
-        # kept until the request ends (a preempted request computes its prompt again)
+        # kept until the request ends (a preempted request computes its prompt again; the core drops them)
         self.image_embeddings: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def _attention_kernels(self, num_heads: int, attention: AttentionCode,
@@ -87,7 +87,6 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         for request_id in sched.finished_request_ids:
             self._generators.pop(request_id, None)
-            self.image_embeddings.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.drop(sched.finished_request_ids)
         if sched.is_empty:
