@@ -228,6 +228,14 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "--expert-workers, the expert pool's, planned by attention worker 0")
     pd.add_argument("--eplb-objective", default="tokens", choices=["tokens", "active_experts"],
                     help="EPLB balances tokens per rank, or the experts each rank must read per step (decode)")
+    epd = serve.add_argument_group("encoder workers (E/P/D: vision-language models' images encoded in a pool)")
+    epd.add_argument("--encode", type=int, default=0, metavar="N",
+                     help="N encoder workers run requests' images through the vision tower and hand the embeddings "
+                          "to the prefill (colocated) workers; text-only requests skip them (0: the language workers "
+                          "encode the images themselves)")
+    epd.add_argument("--encode-queue", type=int, default=32, metavar="IMAGES",
+                     help="images each encoder worker may have waiting or encoding; a request whose images would "
+                          "pass the pool's bound gets a 503 saying to retry (default 32)")
     afd = serve.add_argument_group("attention/FFN disaggregation (MoE models: experts in a pool of their own)")
     afd.add_argument("--expert-workers", type=int, default=0, metavar="E",
                      help="E expert workers hold every MoE layer's routed experts (1/E each); the decode (colocated) "
@@ -342,7 +350,8 @@ def deployment_from_args(args: argparse.Namespace) -> DeploymentSpec:
                               decode_ep_size=args.expert_parallel_size, ep_int8_dispatch=args.ep_int8_dispatch,
                               num_redundant_experts=args.num_redundant_experts, eplb_interval_steps=args.eplb_interval,
                               eplb_objective=args.eplb_objective, expert_workers=args.expert_workers,
-                              afd_micro_batches=args.afd_micro_batches,
+                              afd_micro_batches=args.afd_micro_batches, encode_workers=args.encode,
+                              encode_queue=args.encode_queue,
                               prefill_ep_size=args.prefill_expert_parallel_size or args.expert_parallel_size))
 
 

@@ -54,6 +54,7 @@ from kvbaton.sched.outputs import (
     RequestFailure,
     SchedulerOutput,
     StepResult,
+    TransferFailure,
 )
 from kvbaton.sched.request import Request, RequestStatus
 from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
@@ -295,26 +296,61 @@ class EngineCore:
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output).result()
 
-    def add_request(self, req: Request, images: Sequence[DecodedImage] = ()) -> None:
-        """Queue `req`; `images`: those of its `image_spans`, in order, encoded now (or found in the encoder
-        cache) for the runner to put in place of their placeholders."""
+    def add_request(self, req: Request, images: Sequence[DecodedImage] = (),
+                    embeddings: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
+        """Queue `req`. The images of its `image_spans`, in order, come as `images` (pixels: encoded now, or found
+        in the encoder cache) or as `embeddings` (digest and embeddings: an encoder worker's, E/P/D); the runner
+        puts them in place of their placeholders."""
         self.validate(req)
-        if images and (req.request_id in self.scheduler.requests or req.request_id in self.grammars):
-            raise ValueError(f"duplicate request id {req.request_id!r}")  # before its images replace another's
-        if [bytes.fromhex(im.digest) for im in images] != [span.digest for span in req.image_spans]:
-            raise InvalidRequestError(f"{len(req.image_spans)} image placeholder runs, {len(images)} images")
-        if images:
-            embeddings = self._encode(req.request_id, list(images))
-            if any(e.shape[0] != span.length for e, span in zip(embeddings, req.image_spans)):
-                self._drop_images(req.request_id)
-                raise InvalidRequestError("an image's embeddings do not fit its placeholders")
-            self.runner.image_embeddings[req.request_id] = [
-                (span.start, e) for span, e in zip(req.image_spans, embeddings)]
+        self._take_images(req, images, embeddings)
         try:
             self._queue(req)
         except Exception:
             self._drop_images(req.request_id)
             raise
+
+    def _take_images(self, req: Request, images: Sequence[DecodedImage],
+                     embeddings: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Hold `req`'s images' embeddings for the runner while it lives (a preempted request computes its prompt
+        again): InvalidRequestError unless there is one per placeholder run, each fitting its run."""
+        if images and embeddings:
+            raise InvalidRequestError("a request's images come as pixels or as embeddings, not both")
+        if (images or embeddings) and self._live(req.request_id):
+            raise ValueError(f"duplicate request id {req.request_id!r}")  # before its images replace another's
+        digests = [im.digest for im in images] or [digest for digest, _ in embeddings]
+        if [bytes.fromhex(d) for d in digests] != [span.digest for span in req.image_spans]:
+            raise InvalidRequestError(f"{len(req.image_spans)} image placeholder runs, {len(digests)} images")
+        if not digests:
+            return
+        if images:
+            found = self._encode(req.request_id, list(images))
+        else:
+            found = self._received(req, embeddings)
+        if any(e.shape[0] != span.length for e, span in zip(found, req.image_spans)):
+            self._drop_images(req.request_id)
+            raise InvalidRequestError("an image's embeddings do not fit its placeholders")
+        self.runner.image_embeddings[req.request_id] = [(span.start, e) for span, e in zip(req.image_spans, found)]
+
+    def _received(self, req: Request, embeddings: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """An encoder worker's embeddings, checked against this model and the placeholders first (a cached entry
+        that does not fit would refuse every later request of its image), kept in the encoder cache like this
+        worker's own (so the pixels, sent again once the encoder pool is gone, hit) and held for the request."""
+        if self.encoder_cache is None:
+            raise InvalidRequestError("this model does not take images")
+        hidden = self.model_config.hidden_size
+        for (_, e), span in zip(embeddings, req.image_spans):
+            if e.dim() != 2 or e.dtype != self.dtype or e.shape[1] != hidden:
+                raise InvalidRequestError(f"image embeddings of {e.dtype} {tuple(e.shape)} do not fit this model "
+                                          f"({self.dtype}, hidden size {hidden})")
+            if e.shape[0] != span.length:
+                raise InvalidRequestError("an image's embeddings do not fit its placeholders")
+        cache = self.encoder_cache
+        return [cache.keep(req.request_id, digest, e, e.nbytes) for digest, e in embeddings]
+
+    def _live(self, request_id: str) -> bool:
+        """Anywhere in this core: scheduled, waiting for its grammar, or receiving its KV."""
+        return (request_id in self.scheduler.requests or request_id in self.grammars
+                or self.scheduler.is_receiving(request_id))
 
     def _encode(self, request_id: str, images: list[DecodedImage]) -> list[torch.Tensor]:
         """Each image's embeddings, the cached ones taken from the encoder cache, the others encoded in one
@@ -463,13 +499,36 @@ class EngineCore:
 
     # ---- KV hand-off (disaggregated workers) ----------------------------------------------------
 
-    def reserve_for_transfer(self, req: Request, deadline_s: float) -> Reservation | None:
-        """Decode role: validate `req`, reserve blocks for its prompt's KV and expect it (None: no room now)."""
+    def reserve_for_transfer(self, req: Request, deadline_s: float,
+                             embeddings: Sequence[tuple[str, torch.Tensor]] = ()) -> Reservation | None:
+        """Decode role: validate `req`, reserve blocks for its prompt's KV and expect it (None: no room now).
+        `embeddings`: its images' (E/P/D), held while it lives, as `add_request` holds them."""
         self.validate(req)
         self.save_to_store()  # the reservation may evict a block still to be saved
         if req.sampling_params.structured_output is not None:
             self.grammars.compile(req.sampling_params.structured_output)  # ready, most likely, by the first decode
-        return self.handoff.reserve(req, deadline_s)
+        self._take_images(req, (), embeddings)
+        try:
+            reserved = self.handoff.reserve(req, deadline_s)
+        except Exception:
+            self._drop_images(req.request_id)
+            raise
+        if reserved is None:
+            self._drop_images(req.request_id)
+        return reserved
+
+    def cancel_receive(self, request_id: str) -> None:
+        """Decode role: the router cancelled a reservation (the prompt is prefilled elsewhere, or not at all)."""
+        self.handoff.cancel_receive(request_id)
+        self._drop_images(request_id)
+
+    def poll_handoffs(self) -> list[TransferFailure]:
+        """Move the KV hand-offs along (`KVHandoff.poll`); a receive that failed takes its request's images."""
+        failures = self.handoff.poll()
+        for failure in failures:
+            if not self._live(failure.request_id):
+                self._drop_images(failure.request_id)
+        return failures
 
     # ---- state -----------------------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """Typed messages between the router (in the frontend) and its workers; signed by `kvbaton.wire`.
 
     router -> worker:  AddRequest, PrepareReceive, StartDecode, CancelReceive, AbortRequests, Drain, Shutdown,
-                       CheckIntegrity; the diagnostics' ProbeReceive, ProbeSend, ProbeAllReduce, ProbeProfile
+                       CheckIntegrity, EncodeImages (encoder workers); the diagnostics' ProbeReceive, ProbeSend,
+                       ProbeAllReduce, ProbeProfile
     worker -> router:  WorkerHello, Heartbeat, WorkerOutputs, RequestFailed, ReceiveReady, ReceiveRefused,
-                       TransferFailed, Drained, IntegrityReport; the diagnostics' ProbeReady, ProbeReport
+                       TransferFailed, Drained, IntegrityReport, ImagesEncoded (encoder workers); the diagnostics'
+                       ProbeReady, ProbeReport
 
 Request ids on this channel are the router's *attempt* ids (`<client id>#<attempt>`), so when
 a request is re-dispatched after a failure, late messages about an earlier attempt are told
@@ -33,9 +35,21 @@ class ImagePixels(msgspec.Struct, frozen=True):
     rgb: bytes
 
 
+class ImageEmbedding(msgspec.Struct, frozen=True, kw_only=True):
+    """An image's embeddings, as an encoder worker computed them (`mm/embeddings.py`): `rows` placeholder
+    positions of `cols` (the text model's hidden size) values of `dtype`, row-major in `data`."""
+
+    digest: str  # the decoded pixels' (`ImagePixels.digest`): the prefix cache's hash chain and the encoder caches
+    dtype: str
+    rows: int
+    cols: int
+    data: bytes
+
+
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):
-    """Compute this request here. With `remote_decode`, only its prompt (prefill role). `images`: those whose
-    placeholders the prompt holds, in order (encoded where the prompt is computed)."""
+    """Compute this request here. With `remote_decode`, only its prompt (prefill role). The images whose
+    placeholders the prompt holds, in order, come as `images` (pixels: encoded where the prompt is computed,
+    `--encode 0`) or as `embeddings` (an encoder worker's), never both."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -43,6 +57,7 @@ class AddRequest(msgspec.Struct, tag="add", kw_only=True):
     priority: int = 0
     remote_decode: RemoteDecode | None = None
     images: list[ImagePixels] = []
+    embeddings: list[ImageEmbedding] = []
 
 
 class PrepareReceive(msgspec.Struct, tag="prepare", kw_only=True):
@@ -53,6 +68,9 @@ class PrepareReceive(msgspec.Struct, tag="prepare", kw_only=True):
     params: SamplingParams
     priority: int = 0
     deadline_s: float = 30.0
+    # its images' embeddings (E/P/D): the received KV was computed from them, and a preempted request computes its
+    # prompt again here
+    embeddings: list[ImageEmbedding] = []
 
 
 class StartDecode(msgspec.Struct, tag="start"):
@@ -125,8 +143,16 @@ class ProbeProfile(msgspec.Struct, tag="probe_profile", kw_only=True):
     max_duration_s: float
 
 
+class EncodeImages(msgspec.Struct, tag="encode_images", kw_only=True):
+    """Encoder worker: encode these images of a request (its attempt id); answer ImagesEncoded, or RequestFailed
+    for an image the processor or tower refuses. AbortRequests drops what is still queued."""
+
+    request_id: str
+    images: list[ImagePixels]
+
+
 ToWorker = (AddRequest | PrepareReceive | StartDecode | CancelReceive | AbortRequests | Drain | Shutdown
-            | CheckIntegrity | ProbeReceive | ProbeSend | ProbeAllReduce | ProbeProfile)
+            | CheckIntegrity | EncodeImages | ProbeReceive | ProbeSend | ProbeAllReduce | ProbeProfile)
 
 # ---- worker -> router ----------------------------------------------------------------------
 
@@ -151,6 +177,15 @@ class ExchangeLoad(msgspec.Struct, frozen=True, kw_only=True):
         return AfdStats(expert_busy_s=self.busy_s, expert_alive_s=self.alive_s).expert_bubble
 
 
+class EncodeLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """An encoder worker's queue and what it encoded since it started (its images/s: `encoded / busy_s`)."""
+
+    queued_images: int
+    encoded: int  # images run through the tower (cache hits not counted)
+    busy_s: float
+    alive_s: float
+
+
 class WorkerLoad(msgspec.Struct):
     stats: EngineStats
     num_receiving: int  # decode role: transfers being received
@@ -159,6 +194,7 @@ class WorkerLoad(msgspec.Struct):
     # keeps the load with the highest `seq`, so a late heartbeat never rolls its view back.
     seq: int = 0
     exchange: ExchangeLoad | None = None  # an expert worker's (it has no engine: `stats` stays empty)
+    encode: EncodeLoad | None = None  # an encoder worker's (`stats` holds only its encoder cache's counters)
 
 
 class ExpertsServed(msgspec.Struct, frozen=True, kw_only=True):
@@ -226,6 +262,14 @@ class TransferFailed(msgspec.Struct, tag="transfer_failed"):
     reason: str
 
 
+class ImagesEncoded(msgspec.Struct, tag="images_encoded", kw_only=True):
+    """An encoder worker's answer to EncodeImages: each image's embeddings, in the order asked."""
+
+    name: str
+    request_id: str
+    embeddings: list[ImageEmbedding]
+
+
 class Drained(msgspec.Struct, tag="drained"):
     name: str
 
@@ -278,5 +322,5 @@ class ProbeReport(msgspec.Struct, tag="probe_report", kw_only=True):
 
 
 FromWorker = (WorkerHello | Heartbeat | WorkerOutputs | RequestFailed | ReceiveReady | ReceiveRefused
-              | TransferFailed | Drained | IntegrityReport | ProbeReady | ProbeReport)
+              | TransferFailed | ImagesEncoded | Drained | IntegrityReport | ProbeReady | ProbeReport)
 PROBE_REPLIES = (ProbeReady, ProbeReport)

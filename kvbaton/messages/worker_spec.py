@@ -21,6 +21,9 @@ class WorkerRole(str, enum.Enum):
     # attention/FFN disaggregation: serves every MoE layer's routed experts it owns to the decode (both) workers,
     # which are then its attention workers; it has no engine core and takes no request
     EXPERT = "expert"
+    # E/P/D: encodes requests' images (the vision tower and projector) for the language workers, which take the
+    # embeddings instead of the pixels; it has no engine core and takes only `EncodeImages`
+    ENCODE = "encode"
 
     @property
     def decodes(self) -> bool:

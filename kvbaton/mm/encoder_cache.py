@@ -56,6 +56,16 @@ class EncoderCache(Generic[V]):
             entry = self._entries[digest] = _Entry(value, nbytes)
         self._hold(request_id, digest, entry)
 
+    def keep(self, request_id: str, digest: str, value: V, nbytes: int) -> V:
+        """`digest`'s embeddings encoded elsewhere (an encoder worker's, E/P/D), held by `request_id` as if encoded
+        here; neither a hit nor a miss (this cache did not decide whether to encode). Returns the entry's value
+        (an entry already cached stays)."""
+        entry = self._entries.get(digest)
+        if entry is None:
+            entry = self._entries[digest] = _Entry(value, nbytes)
+        self._hold(request_id, digest, entry)
+        return entry.value
+
     def release(self, request_id: str) -> None:
         """`request_id` ended: the entries it held that no other request holds become unheld (then bounded)."""
         for digest in self._held_by.pop(request_id, ()):

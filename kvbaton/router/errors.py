@@ -29,3 +29,10 @@ class RequestTimeoutError(EngineError):
 
     http_status = 504
     err_type = "TimeoutError"
+
+
+class EngineOverloadedError(EngineError):
+    """A queue the request would join is full (the encoder pool's): retry later."""
+
+    http_status = 503
+    err_type = "ServiceUnavailableError"

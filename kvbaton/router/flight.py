@@ -14,11 +14,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from kvbaton.messages.router_worker import ImagePixels
+from kvbaton.messages.router_worker import ImageEmbedding, ImagePixels
 from kvbaton.sched.sampling_params import SamplingParams
 
 
 class Phase(enum.Enum):
+    ENCODING = "encoding"  # an encoder worker encodes its images (E/P/D); its KV has no worker yet
     PREPARING = "preparing"  # asked the decode worker to reserve blocks
     PREFILLING = "prefilling"  # the prefill worker computes the prompt and sends the KV
     DECODING = "decoding"  # on the decode worker (after a transfer, or prefilled locally)
@@ -42,6 +43,9 @@ class Flight:
     last_progress: float = field(default_factory=time.monotonic)  # arrival, then each output's arrival
     resuming: bool = False  # an attempt that continues a stream: its first output says what it restored
     images: tuple[ImagePixels, ...] = ()  # those whose placeholders the prompt holds (each attempt sends them)
+    encoder: str | None = None  # the encoder worker encoding them now
+    # their embeddings, once an encoder worker sent them: every later attempt sends these instead of the pixels
+    embeddings: tuple[ImageEmbedding, ...] = ()
 
     def resume_costs(self, num_cached_tokens: int) -> tuple[int, int]:
         """(context tokens the resumed attempt found cached, tokens it recomputed), as of its first output."""
@@ -54,7 +58,7 @@ class Flight:
 
     def next_attempt(self) -> None:
         self.attempt += 1
-        self.prefill = self.decode = None
+        self.prefill = self.decode = self.encoder = None
         self.resuming = bool(self.tokens)
 
     def continuation(self) -> tuple[list[int], SamplingParams]:

@@ -1,6 +1,8 @@
 """The router: the frontend's `EngineClient` over a pool of workers, for every deployment (colocated
 is one worker of role `both`). Per request:
 
+    images (E/P/D): encoder worker <- EncodeImages    (its embeddings come back; then as below, the
+                                     embeddings instead of the pixels going to the prefill and decode workers)
     long prompt:   decode worker  <- PrepareReceive   (reserve blocks, report its prefix hit)
                    prefill worker <- AddRequest(remote_decode=...)   (prompt only; KV goes to D
                                      layer by layer; first token streams to the client at once)
@@ -10,7 +12,8 @@ is one worker of role `both`). Per request:
 
 Failures never lose a request: a worker that stops heartbeating (or whose process exits) is
 dropped by the pool and each of its requests starts a new attempt elsewhere from prompt + the
-tokens the client already has; a transfer that fails or times out falls back to a local prefill.
+tokens the client already has; a transfer that fails or times out falls back to a local prefill; an encoder
+worker that dies has the images encoded by another, or by the language worker when none is left.
 Detokenization and stop strings run here, so workers never see text.
 """
 
@@ -20,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,7 +36,9 @@ from kvbaton.messages.router_worker import (
     AbortRequests,
     AddRequest,
     CancelReceive,
+    EncodeImages,
     ImagePixels,
+    ImagesEncoded,
     IntegrityReport,
     PrepareReceive,
     ReceiveReady,
@@ -44,7 +50,7 @@ from kvbaton.messages.router_worker import (
 )
 from kvbaton.messages.worker_spec import WorkerRole
 from kvbaton.router.diagnostics import PoolDiagnostics
-from kvbaton.router.errors import EngineDeadError, RequestFailedError, RequestTimeoutError
+from kvbaton.router.errors import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from kvbaton.router.flight import Flight, Phase
 from kvbaton.router.policies import make_policy
 from kvbaton.router.streams import stream_outputs
@@ -57,6 +63,7 @@ from kvbaton.text.request_output import RequestOutput
 from kvbaton.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+ENCODED_AT_ENTRIES = 4096  # images whose encoder worker the router remembers (to send them there again)
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class Router:
         self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0,
                          "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0, "aborted": 0}
         self._deadlines: asyncio.Task | None = None
+        self._encoded_at: OrderedDict[str, str] = OrderedDict()  # image digest -> the encoder worker that encoded it
         # the probes behind /admin/diagnostics/* (`kvbaton doctor`)
         self.diagnostics = PoolDiagnostics(pool, self._routing_settings, self.counters)
 
@@ -173,6 +181,8 @@ class Router:
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "no decode worker is running")
         self.validate(token_ids, params, priority)
+        if images:
+            self._check_encode_queue(len(images))
         flight = Flight(request_id=request_id, prompt_token_ids=token_ids, params=params, priority=priority,
                         queue=asyncio.Queue(), images=tuple(images))
         self.flights[request_id] = flight
@@ -215,8 +225,26 @@ class Router:
 
     # ---- dispatch --------------------------------------------------------------------------
 
+    def _check_encode_queue(self, num_images: int) -> None:
+        """E/P/D admission: EngineOverloadedError (a 503) if these images would pass the encoder pool's queue bound
+        (`PoolConfig.encode_queue` images per encoder worker). A burst is refused, never silently dropped."""
+        encoders = self.pool.routable(WorkerRole.ENCODE)
+        if not encoders:
+            return  # --encode 0, or none left: the language workers encode (their admission is the server's)
+        bound = self.pool.config.encode_queue * len(encoders)
+        queued = sum(len(f.images) for f in self.flights.values() if f.phase == Phase.ENCODING)
+        if queued + num_images > bound:
+            raise EngineOverloadedError(f"the encoder pool's queue is full ({queued} images waiting, at most {bound} "
+                                        f"for {len(encoders)} encoder worker(s)); retry later")
+
     async def _dispatch(self, flight: Flight) -> None:
-        """Start the flight's current attempt: disaggregated if it pays, else locally on a decode worker."""
+        """Start the flight's current attempt: its images to an encoder worker first (E/P/D) unless encoded
+        already; then disaggregated if it pays, else locally on a decode worker."""
+        if flight.images and not flight.embeddings:
+            encoders = self.pool.routable(WorkerRole.ENCODE)
+            if encoders:
+                await self._encode(flight, encoders)
+                return
         decoders = self.pool.routable(WorkerRole.DECODE)
         if not decoders:
             self._fail(flight, EngineDeadError(self.dead_reason or "no decode worker is running"))
@@ -227,14 +255,15 @@ class Router:
         self._decode_policy.note_routed(decode.name, prompt, salt)
         flight.decode = decode.name
         decode.attempts.add(flight.attempt_id)
-        # NOTE: a request with images prefills where it decodes: its images go with it, and a PD hand-off of their
-        # KV (the prefill worker encoding them) is E/P/D's, still to come
+        # NOTE: a request with images goes through a prefill worker only with their embeddings (E/P/D): the decode
+        # worker takes them too (a preempted request computes its prompt again there); pixels alone (no encoder
+        # pool) prefill where they decode, rather than have two workers encode them
         if (self.pool.routable(WorkerRole.PREFILL) and len(prompt) >= self.config.local_prefill_threshold
-                and not flight.tokens and not flight.images):
+                and not flight.tokens and len(flight.embeddings) == len(flight.images)):
             flight.phase = Phase.PREPARING
             await self.pool.send(decode, PrepareReceive(
                 request_id=flight.attempt_id, prompt_token_ids=prompt, params=flight.params, priority=flight.priority,
-                deadline_s=self.config.transfer_deadline_s))
+                deadline_s=self.config.transfer_deadline_s, embeddings=list(flight.embeddings)))
         else:
             await self._run_locally(flight, decode)
 
@@ -243,7 +272,45 @@ class Router:
         prompt, params = flight.continuation()
         flight.phase = Phase.DECODING
         await self.pool.send(decode, AddRequest(request_id=flight.attempt_id, prompt_token_ids=prompt, params=params,
-                                                priority=flight.priority, images=list(flight.images)))
+                                                priority=flight.priority, **self._images_of(flight)))
+
+    @staticmethod
+    def _images_of(flight: Flight) -> dict[str, Any]:
+        """What a language worker gets of the flight's images: their embeddings if encoded, else the pixels."""
+        if flight.embeddings:
+            return {"embeddings": list(flight.embeddings)}
+        return {"images": list(flight.images)}
+
+    async def _encode(self, flight: Flight, encoders: list[WorkerHandle]) -> None:
+        """Send the flight's images to the encoder worker with the fewest queued, among those the one that
+        encoded most of them already (its encoder cache holds them) when queues are equal."""
+        digests = [im.digest for im in flight.images]
+        queued = {w.name: 0 for w in encoders}
+        for f in self.flights.values():
+            if f.phase == Phase.ENCODING and f.encoder in queued:
+                queued[f.encoder] += len(f.images)
+        encoder = min(encoders, key=lambda w: (queued[w.name], -sum(self._encoded_at.get(d) == w.name
+                                                                     for d in digests)))
+        flight.encoder, flight.phase = encoder.name, Phase.ENCODING
+        encoder.attempts.add(flight.attempt_id)
+        await self.pool.send(encoder, EncodeImages(request_id=flight.attempt_id, images=list(flight.images)))
+
+    async def _on_images_encoded(self, flight: Flight, worker: WorkerHandle, msg: ImagesEncoded) -> None:
+        if flight.phase != Phase.ENCODING or flight.encoder != worker.name:
+            return
+        worker.attempts.discard(flight.attempt_id)
+        flight.encoder = None
+        if [e.digest for e in msg.embeddings] != [im.digest for im in flight.images]:
+            await self._charge_failure(flight, f"{worker.name} sent embeddings of other images")
+            return
+        flight.embeddings = tuple(msg.embeddings)
+        flight.last_progress = time.monotonic()
+        for e in msg.embeddings:
+            self._encoded_at[e.digest] = worker.name
+            self._encoded_at.move_to_end(e.digest)
+        while len(self._encoded_at) > ENCODED_AT_ENTRIES:
+            self._encoded_at.popitem(last=False)
+        await self._dispatch(flight)
 
     async def _on_receive_ready(self, flight: Flight, msg: ReceiveReady) -> None:
         decode = self.pool.get(flight.decode)
@@ -267,7 +334,8 @@ class Router:
         remote = RemoteDecode(receiver=decode.receiver, dst_block_ids=msg.dst_block_ids, skip_blocks=skip_blocks,
                               layout=decode.kv_layout, deadline_s=self.config.transfer_deadline_s)
         await self.pool.send(prefill, AddRequest(request_id=flight.attempt_id, prompt_token_ids=flight.prompt_token_ids,
-                                                 params=flight.params, priority=flight.priority, remote_decode=remote))
+                                                 params=flight.params, priority=flight.priority, remote_decode=remote,
+                                                 embeddings=list(flight.embeddings)))
 
     async def _fall_back(self, flight: Flight, reason: str) -> None:
         """The transfer path failed: the decode worker prefills this attempt itself."""
@@ -296,7 +364,7 @@ class Router:
 
     def _release(self, flight: Flight) -> list[WorkerHandle]:
         """The current attempt no longer counts towards its workers' load; returns those still in the pool."""
-        workers = [w for w in map(self.pool.get, (flight.prefill, flight.decode)) if w is not None]
+        workers = [w for w in map(self.pool.get, (flight.encoder, flight.prefill, flight.decode)) if w is not None]
         for worker in workers:
             worker.attempts.discard(flight.attempt_id)
         return workers
@@ -311,13 +379,15 @@ class Router:
         if isinstance(msg, PROBE_REPLIES):
             self.diagnostics.on_reply(worker.name, msg)
             return
-        assert isinstance(msg, (ReceiveReady, ReceiveRefused, TransferFailed, RequestFailed))
+        assert isinstance(msg, (ReceiveReady, ReceiveRefused, TransferFailed, RequestFailed, ImagesEncoded))
         flight = self._flight_of(msg.request_id)
         if flight is None:
             if isinstance(msg, ReceiveReady):  # the client left meanwhile: give the blocks back
                 await self.pool.send(worker, CancelReceive([msg.request_id]))
             return
-        if isinstance(msg, ReceiveReady):
+        if isinstance(msg, ImagesEncoded):
+            await self._on_images_encoded(flight, worker, msg)
+        elif isinstance(msg, ReceiveReady):
             await self._on_receive_ready(flight, msg)
         elif isinstance(msg, ReceiveRefused):
             await self._fall_back(flight, f"{worker.name} refused the transfer ({msg.reason})")

@@ -65,12 +65,18 @@ class PoolConfig:
     # (colocated) workers are attention workers that dispatch to them, each decode step in this many micro-batches
     expert_workers: int = 0
     afd_micro_batches: int = 1  # 0: auto (each attention worker measures its own steps)
+    # E/P/D: this many encoder workers encode requests' images (0: the language workers encode them), each taking at
+    # most `encode_queue` images waiting or encoding: a request whose images would pass the pool's bound gets a 503
+    encode_workers: int = 0
+    encode_queue: int = 32
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_s < self.dead_after_s:
             raise ConfigError(f"need 0 < heartbeat_s ({self.heartbeat_s}) < dead_after_s ({self.dead_after_s})")
         if min(self.prefill_ep_size, self.decode_ep_size) < 1:
             raise ConfigError("expert-parallel sizes must be >= 1")
+        if self.encode_workers < 0 or self.encode_queue < 1:
+            raise ConfigError("need --encode >= 0 and --encode-queue >= 1")
         if self.expert_workers < 0 or self.afd_micro_batches < 0:
             raise ConfigError("need --expert-workers >= 0 and --afd-micro-batches auto or >= 1")
         if self.expert_workers and self.decode_ep_size > 1:
@@ -84,7 +90,9 @@ class PoolConfig:
                               "to prefill expert-parallel groups")
 
     def ep_size(self, role: WorkerRole) -> int:
-        return self.prefill_ep_size if role == WorkerRole.PREFILL else self.decode_ep_size
+        if role == WorkerRole.PREFILL:
+            return self.prefill_ep_size
+        return self.decode_ep_size if role.decodes else 1
 
 
 @dataclass(kw_only=True)
@@ -118,8 +126,9 @@ class WorkerHandle:
 
     @property
     def takes_requests(self) -> bool:
-        """An engine worker (prefill, decode, both); an expert worker serves the others and takes none."""
-        return self.info is not None
+        """An engine worker (prefill, decode, both) or an encoder worker (a request's images); an expert worker
+        serves the others and takes none."""
+        return self.info is not None or self.role == WorkerRole.ENCODE
 
     @property
     def routable(self) -> bool:
@@ -148,7 +157,18 @@ class WorkerHandle:
                 "in_flight": len(self.attempts), "compute_path": self.info.compute_path if self.info else None,
                 "kv_dtype": self.layout.dtype if self.layout else None, "ready_after_s": self.ready_after_s,
                 "startup_s": self.startup,
-                "experts": self._experts_view()}
+                "experts": self._experts_view(), "encode": self._encode_view()}
+
+    def _encode_view(self) -> dict[str, Any] | None:
+        """An encoder worker's queue, what it encoded and how fast, and its encoder cache."""
+        e, cache = self.load.encode, self.load.stats.encoder_cache
+        if e is None:
+            return None
+        view: dict[str, Any] = {"queued_images": e.queued_images, "encoded": e.encoded, "busy_s": round(e.busy_s, 3),
+                                "images_per_s": round(e.encoded / e.busy_s, 2) if e.busy_s else None}
+        if cache is not None:
+            view.update(cache_hits=cache.hits, cache_misses=cache.misses, cache_bytes=cache.bytes)
+        return view
 
     def _experts_view(self) -> dict[str, Any] | None:
         """An expert worker's place in the expert pool, and its exchanges so far. `owns`: the logical expert of
@@ -237,6 +257,7 @@ class WorkerPool:
             await self._start_expert_pool(decode_role, num_decode)
         names = [n for _ in range(num_prefill) for n in await self._add_unit(WorkerRole.PREFILL)]
         names += [n for _ in range(num_decode) for n in await self._add_unit(decode_role)]
+        names += [n for _ in range(self.config.encode_workers) for n in await self._add_unit(WorkerRole.ENCODE)]
         await self.wait_for_workers(names, self.config.start_timeout_s)
 
     async def _start_expert_pool(self, attention_role: WorkerRole, num_attention: int) -> None:
@@ -351,7 +372,9 @@ class WorkerPool:
         if name in self._ep_groups:
             raise ValueError(f"{name} is a rank of expert-parallel group {self._ep_groups[name]}; draining a "
                              "group is not supported yet (stop the deployment, or let a failure restart it)")
-        if not any(w.routable and w.role == worker.role and w is not worker for w in self.workers.values()):
+        # NOTE: the last encoder worker may go: the language workers encode what it would have
+        if worker.role != WorkerRole.ENCODE and not any(
+                w.routable and w.role == worker.role and w is not worker for w in self.workers.values()):
             raise ValueError(f"{name} is the last {worker.role.value} worker; add another before draining it")
         worker.draining = True
         await self.send(worker, Drain())

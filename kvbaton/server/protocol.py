@@ -416,7 +416,7 @@ def plain_messages(messages: list[ChatMessage]) -> list[dict]:
 class AddWorkerRequest(BaseModel):
     """`POST /admin/workers`."""
 
-    role: Literal["prefill", "decode"]
+    role: Literal["prefill", "decode", "encode"]
     timeout_s: float = Field(default=600.0, gt=0.0, le=3600.0, allow_inf_nan=False)
 
 

@@ -1,15 +1,22 @@
-"""A vision-language model served (`kvbaton serve`, images encoded in the colocated worker): chat requests with
-`image_url` parts (base64 data: URLs) answer transformers' fp32 greedy tokens, their image tokens counted in
-`usage` and by `/tokenize`; the same picture sent again in
-another lossless encoding is an encoder-cache hit (`/metrics`); text-only turns of the same model are unharmed;
-and each bad image or image request gets a 4xx naming why while the server goes on serving."""
+"""A vision-language model served E/P/D (`kvbaton serve --encode 1 --prefill 1 --decode 1`, the KV over tcp): chat
+requests with `image_url` parts (base64 data: URLs) have their images encoded by the encoder worker and their
+prompts prefilled by the prefill worker from its embeddings, and answer transformers' fp32 greedy tokens, their
+image tokens counted in `usage` and by `/tokenize`; the same picture sent again in another lossless encoding is an
+encoder-cache hit (`/metrics`); text-only turns of the same model are unharmed; each bad image or image request
+gets a 4xx naming why while the server goes on serving; a burst beyond the encoder pool's queue is served or
+refused with a 503; and an encoder worker SIGKILLed with requests in flight loses none of them (the language
+workers encode their images, `--encode 0`'s path, until it is back).
+
+The images are encoded where the prompt is computed (`--encode 0`) in `tests/mm/test_llava_parity.py`."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import os
 import random
+import signal
 import struct
 import zlib
 
@@ -18,8 +25,8 @@ import pytest
 from PIL import Image
 
 from tests.support.helpers import LLAVA_IMAGE_TOKEN, LLAVA_TOKENS_PER_IMAGE, build_tiny_llava, hf_llava_greedy
-from tests.support.server import served, wait_idle
-from tests.support.wait import wait_until
+from tests.support.server import served, stats, wait_idle
+from tests.support.wait import async_wait_until, wait_until
 
 MAX_NEW = 6
 
@@ -73,12 +80,22 @@ def bomb(side: int) -> bytes:
             + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
 
 
+ENCODE_QUEUE = 8
+
+
 @pytest.fixture(scope="module")
 def vision_server(tmp_path_factory):
     model = build_tiny_llava(tmp_path_factory.mktemp("llava"))
+    # NOTE: a prompt of 8 tokens or more goes through the prefill worker: every image chat here does
     with served("--model", str(model), "--dtype", "float32", "--max-request-bytes", str(16 * 2**20),
-                "--max-images-per-request", "2", "--max-image-pixels", str(2**20)) as server:
+                "--max-images-per-request", "2", "--max-image-pixels", str(2**20), "--encode", "1",
+                "--encode-queue", str(ENCODE_QUEUE), "--prefill", "1", "--decode", "1", "--kv-transport", "tcp",
+                "--local-prefill-threshold", "8") as server:
         yield model, server
+
+
+def workers(base: str) -> dict[str, dict]:
+    return {w["name"]: w for w in httpx.get(f"{base}/workers").json()["workers"]}
 
 
 def test_chats_with_images_answer_transformers_tokens_and_a_repeated_image_hits_the_cache(vision_server):
@@ -102,9 +119,13 @@ def test_chats_with_images_answer_transformers_tokens_and_a_repeated_image_hits_
         assert body["usage"]["prompt_tokens"] == len(token_ids(text))  # the image tokens counted
         tokenized = httpx.post(f"{server.base}/tokenize", json={"messages": [{"role": "user", "content": content}]})
         assert tokenized.json()["tokens"] == token_ids(text), tokenized.text  # /tokenize counts them alike
-    # the worker's counters reach /metrics with its next load report
+    # the encoder worker's counters reach /metrics with its next load report; the language workers, which took
+    # its embeddings, encoded nothing and missed nothing
     wait_until(lambda: (metric(server.base, "hits"), metric(server.base, "misses")) == (1, 3), 30,
                message=lambda: httpx.get(f"{server.base}/metrics").text[-3000:])
+    encoder = workers(server.base)["kvbaton-encode-0"]["encode"]
+    assert (encoder["encoded"], encoder["cache_hits"]) == (3, 1), encoder
+    assert stats(server.base)["router"]["disaggregated"] >= 3  # the image chats' KV came from the prefill worker
     wait_idle(server.base)
 
 
@@ -134,9 +155,9 @@ def test_a_bad_image_is_a_4xx_naming_why_and_the_server_serves_on(vision_server,
 
 
 def test_a_burst_of_image_requests_is_served_or_refused_clearly_and_none_is_lost(vision_server):
-    """200 image chats at once: each is answered (its tokens) or refused with a clear 503 (the decoders' bound:
-    64 images waiting or decoding), within a deadline; at least that bound's worth is served, and the server is
-    idle after."""
+    """200 image chats at once: each is answered (its tokens) or refused with a clear 503 (the encoder pool's
+    queue bound, or the frontend decoders': 64 images waiting or decoding), within a deadline; at least the
+    encoder pool's queue bound's worth is served, and the server is idle after."""
     _, server = vision_server
     urls = [data_url(picture(100 + i)) for i in range(20)]  # repeated: the encoder cache serves some
 
@@ -159,6 +180,49 @@ def test_a_burst_of_image_requests_is_served_or_refused_clearly_and_none_is_lost
     assert all(status in (200, 503) for status, _ in results), results
     assert all(tokens == 2 for tokens in served), served
     assert all("retry" in text for text in refused), refused[:3]
-    assert len(served) >= 64, (len(served), refused[:3])
-    print(f"burst: {len(served)} served, {len(refused)} refused")
+    assert len(served) >= ENCODE_QUEUE, (len(served), refused[:3])
+    print(f"burst: {len(served)} served, {len(refused)} refused "
+          f"({sum('encoder pool' in text for text in refused)} by the encoder pool's queue)")
+    wait_idle(server.base)
+
+
+def test_an_encoder_worker_killed_with_requests_in_flight_loses_none_of_them(vision_server):
+    """SIGKILL the encoder worker while image chats wait for it (stopped first, so that all of them do): each
+    completes with transformers' tokens (its images encoded by the decode worker while no encoder worker is up),
+    and the pool starts a new encoder worker. Last in this module: it leaves the encoder's slot restarted."""
+    model, server = vision_server
+    pictures = [picture(300 + i) for i in range(8)]  # new to every cache: each must be encoded
+    texts = [f"t{20 + i} t319 t{40 + i}" for i in range(len(pictures))]
+    refs = hf_llava_greedy(model, [(token_ids(t), [p]) for t, p in zip(texts, pictures)], MAX_NEW)
+    pid = workers(server.base)["kvbaton-encode-0"]["pid"]
+
+    async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": [{"type": "text", "text": f"t{20 + i}"},
+                                                      image_part(data_url(pictures[i])),
+                                                      {"type": "text", "text": f"t{40 + i}"}]}],
+            "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+
+    async def kill_mid_flight() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.base, timeout=120) as client:
+            os.kill(pid, signal.SIGSTOP)  # frozen: every chat's images wait at it, then it dies with them
+            try:
+                chats = [asyncio.create_task(one(client, i)) for i in range(len(pictures))]
+
+                async def all_sent() -> bool:  # the router has sent it every chat's images
+                    view = (await client.get("/workers")).json()["workers"]
+                    return any(w["name"] == "kvbaton-encode-0" and w["in_flight"] == len(pictures) for w in view)
+
+                await async_wait_until(all_sent, 30, interval_s=0.01, message="the chats did not reach the encoder")
+            finally:
+                os.kill(pid, signal.SIGKILL)
+            return await asyncio.wait_for(asyncio.gather(*chats), 120)
+
+    for resp, ref, text in zip(asyncio.run(kill_mid_flight()), refs, texts):
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["message"]["content"].split() == [f"t{t}" for t in ref], text
+    counters = stats(server.base)["router"]
+    assert counters["workers_lost"] >= 1 and counters["fallbacks"] >= len(pictures), counters
+    wait_until(lambda: workers(server.base).get("kvbaton-encode-0", {}).get("restarts") == 1, 60,
+               message=lambda: str(workers(server.base)))
     wait_idle(server.base)

@@ -7,11 +7,13 @@ from kvbaton.messages.worker_spec import WorkerRole
 from kvbaton.worker.roles.base import Role, WorkerContext
 from kvbaton.worker.roles.both import BothRole
 from kvbaton.worker.roles.decode import DecodeRole
+from kvbaton.worker.roles.encode import EncodeRole
 from kvbaton.worker.roles.expert import ExpertRole
 from kvbaton.worker.roles.prefill import PrefillRole
 
 ROLES: dict[WorkerRole, type[Role]] = {WorkerRole.PREFILL: PrefillRole, WorkerRole.DECODE: DecodeRole,
-                                       WorkerRole.BOTH: BothRole, WorkerRole.EXPERT: ExpertRole}
+                                       WorkerRole.BOTH: BothRole, WorkerRole.EXPERT: ExpertRole,
+                                       WorkerRole.ENCODE: EncodeRole}
 
 
 def role_of(role: WorkerRole) -> Role:

@@ -16,7 +16,7 @@ from kvbaton.messages.router_worker import (
 from kvbaton.messages.worker_spec import WorkerRole
 from kvbaton.sched.sampling_params import InvalidRequestError
 from kvbaton.worker.roles.base import Handler, WorkerContext
-from kvbaton.worker.roles.engine_role import EngineRole
+from kvbaton.worker.roles.engine_role import EngineRole, received_embeddings
 
 
 class DecodeRole(EngineRole):
@@ -32,9 +32,11 @@ class DecodeRole(EngineRole):
 def prepare_receive(core: EngineCore, worker: WorkerContext, msg: PrepareReceive) -> None:
     """Reserve blocks for the prompt's KV; answer ReceiveReady, ReceiveRefused (no room now) or
     RequestFailed (a request this engine cannot run)."""
-    req = core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority)
     try:
-        reserved = core.reserve_for_transfer(req, msg.deadline_s)
+        embeddings = received_embeddings(msg.embeddings)
+        req = core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority,
+                               image_digests=[digest for digest, _ in embeddings])
+        reserved = core.reserve_for_transfer(req, msg.deadline_s, embeddings)
     except (InvalidRequestError, ValueError) as exc:
         worker.send(RequestFailed(worker.name, msg.request_id, str(exc)))
         return
@@ -46,4 +48,4 @@ def prepare_receive(core: EngineCore, worker: WorkerContext, msg: PrepareReceive
 
 def cancel_receive(core: EngineCore, msg: CancelReceive) -> None:
     for request_id in msg.request_ids:
-        core.handoff.cancel_receive(request_id)
+        core.cancel_receive(request_id)

@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from kvbaton.config import EngineConfig, ModelConfig
 from kvbaton.engine.core import EngineCore, KVTransferConfig
 from kvbaton.kv.connectors import ConnectorConfig
@@ -22,6 +24,7 @@ from kvbaton.messages.router_worker import (
     AbortRequests,
     AddRequest,
     CheckIntegrity,
+    ImageEmbedding,
     IntegrityReport,
     RequestFailed,
     TransferFailed,
@@ -30,6 +33,7 @@ from kvbaton.messages.router_worker import (
     WorkerOutputs,
 )
 from kvbaton.messages.worker_spec import WorkerSpec
+from kvbaton.mm.embeddings import EmbeddingBytes, from_bytes
 from kvbaton.mm.images import DecodedImage
 from kvbaton.models.registry import resolve_model
 from kvbaton.paths import cache_root
@@ -57,6 +61,11 @@ def kv_connector(spec: WorkerSpec, secret: bytes) -> ConnectorConfig:
     return ConnectorConfig(transport=c.transport, secret=secret, host=c.host, redis_url=c.redis_url,
                            redis_ttl_s=c.redis_ttl_s, worker_name=spec.name,
                            allow_insecure_transport=c.allow_insecure_transport, encrypt_traffic=spec.encrypt_traffic)
+
+
+def received_embeddings(sent: list[ImageEmbedding]) -> list[tuple[str, torch.Tensor]]:
+    """An encoder worker's embeddings as tensors, by digest (ValueError for bytes that are not what they claim)."""
+    return [(e.digest, from_bytes(EmbeddingBytes(e.dtype, e.rows, e.cols, e.data))) for e in sent]
 
 
 def worker_engine_config(spec: WorkerSpec) -> EngineConfig:
@@ -117,7 +126,7 @@ class EngineRole(Role):
     # ---- a round -----------------------------------------------------------------------------
 
     def run_round(self, worker: WorkerContext) -> None:
-        self._report_failures(worker, self.core.handoff.poll())
+        self._report_failures(worker, self.core.poll_handoffs())
         for reply in self.probes.replies():
             worker.send(reply)
         # NOTE: an expert-parallel rank steps every round, busy or not: the others' steps wait for it
@@ -164,11 +173,14 @@ class EngineRole(Role):
     def _add(self, worker: WorkerContext, msg: AddRequest) -> None:
         # NOTE: a request's images are encoded here, on the worker's loop, before its steps (`--encode 0`): an
         # encoder worker (E/P/D) takes that time off the steps of the requests running beside it
+        # an encoder worker's embeddings instead (E/P/D) are only checked and held
         images = [DecodedImage(p.digest, p.width, p.height, p.rgb) for p in msg.images]
         try:
+            embeddings = received_embeddings(msg.embeddings)
+            digests = [im.digest for im in images] or [digest for digest, _ in embeddings]
             req = self.core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority,
-                                        msg.remote_decode, [im.digest for im in images])
-            self.core.add_request(req, images)
+                                        msg.remote_decode, digests)
+            self.core.add_request(req, images, embeddings)
         except (InvalidRequestError, ValueError, RuntimeError) as exc:  # RuntimeError: an image the tower refused
             logger.warning("refused request %s: %s", msg.request_id, exc)
             worker.send(RequestFailed(worker.name, msg.request_id, str(exc)))
