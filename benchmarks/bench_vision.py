@@ -1,19 +1,23 @@
-"""Images through a served vision-language model, encoded inside the language worker (`--encode 0`, the baseline
-encoder workers will be measured against): what an image costs a request, what the encoder cache saves, and what
-encoding costs the text requests decoding beside it.
+"""Images through a served vision-language model, encoded inside the language worker (`--encode 0`) and by an
+encoder worker (E/P/D): what an image costs a request, what the encoder cache saves, and what encoding costs the
+text requests decoding beside it.
 
-    .venv/bin/python benchmarks/bench_vision.py            # ~1 min on 2 cores
+    .venv/bin/python benchmarks/bench_vision.py            # ~2 min on 2 cores
 
 The model: a random-weight LLaVA with a CLIP ViT-B/16 tower at 224 x 224 (86 M parameters, 196 image tokens;
 SigLIP-base's size and cost) in front of a random-weight text model of the default model's shape (SmolLM2-135M),
-bf16, built here; the default model's tokenizer with an `<image>` token added. One `kvbaton serve` (one colocated
-worker, 2 threads), fresh random images and fresh text per run. Measured, through the OpenAI chat API (streamed):
+bf16, built here; the default model's tokenizer with an `<image>` token added. Three deployments, one after the
+other, on the same cores (`DEPLOYMENTS`): one colocated worker of 2 threads that encodes its images; an encoder
+worker and a colocated worker of 1 thread each; an encoder, a prefill and a decode worker of 1 thread each (image
+prompts, long, prefilled by the prefill worker; the short text chats by the decode worker). Fresh random images and
+fresh text per run. Measured per deployment, through the OpenAI chat API (streamed):
 - image-request TTFT with a cold encoder cache (a new image each time) and a warm one (an image seen before, the
   text before it new each time, so the prefix cache holds nothing of it): the encoder cache's saving;
 - text chats' TPOT (4 streaming at once) alone, and while image requests arrive: the stall encoding inside the
   language worker puts on decoding;
 - the peer: transformers' `LlavaForConditionalGeneration` (same checkpoint, bf16, 2 threads) time to the first
-  token of the same image request, in this process.
+  token of the same image request, in this process;
+- the encoder workers' images/s while encoding (`GET /workers`).
 Output: `benchmarks/results/vision-<stamp>.json` and `benchmarks/results/vision.md`.
 """
 
@@ -43,6 +47,12 @@ from common.report import RESULTS_DIR, ResultFiles, command_line, fmt, ratio, st
 from common.servers import Server, free_port, kvbaton_server
 
 RESULT_PREFIX = "vision"
+# name -> `kvbaton serve` arguments: each deployment gets the machine's 2 cores
+DEPLOYMENTS = {
+    "colocated, --encode 0": ["--threads", "2"],
+    "E + colocated": ["--encode", "1", "--threads", "1"],
+    "E + P + D": ["--encode", "1", "--prefill", "1", "--decode", "1", "--threads", "1"],
+}
 IMAGE_TOKEN = "<image>"
 IMAGE_SIDE = 224
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
@@ -153,8 +163,9 @@ async def measure(base: str, args: argparse.Namespace, seed: int) -> dict:
         beside = await text_chats()
         stop.set()
         await arriving
+        encoders = [w["encode"] for w in (await client.get("/workers")).json()["workers"] if w.get("encode")]
     return {"cold": cold, "warm": warm, "text_alone": alone, "text_beside_images": beside,
-            "images_during_text": len(images_done)}
+            "images_during_text": len(images_done), "encoders": encoders}
 
 
 def hf_ttft(model_dir: Path, seed: int, reps: int) -> list[float]:
@@ -191,46 +202,75 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def render(run: dict) -> str:
-    env, m = run["environment"], run["measured"]
+def summary(m: dict) -> dict[str, float]:
+    """One deployment's figures (ms)."""
     cold = [r["ttft_s"] * 1e3 for r in m["cold"]]
     warm = [r["ttft_s"] * 1e3 for r in m["warm"]]
     alone = [g * 1e3 for r in m["text_alone"] for g in r["gaps_s"]]
     beside = [g * 1e3 for r in m["text_beside_images"] for g in r["gaps_s"]]
+    return {"cold_p50": statistics.median(cold), "cold_p99": pct(cold, 0.99), "warm_p50": statistics.median(warm),
+            "warm_p99": pct(warm, 0.99), "alone_p50": statistics.median(alone), "alone_p99": pct(alone, 0.99),
+            "beside_p50": statistics.median(beside), "beside_p99": pct(beside, 0.99),
+            "text_ttft_beside_p50": statistics.median(r["ttft_s"] * 1e3 for r in m["text_beside_images"]),
+            "text_ttft_beside_p99": pct([r["ttft_s"] * 1e3 for r in m["text_beside_images"]], 0.99)}
+
+
+def render(run: dict) -> str:
+    env = run["environment"]
     hf = [t * 1e3 for t in run["hf_ttft_s"]]
+    figures = {name: summary(m) for name, m in run["measured"].items()}
+    base = figures[next(iter(figures))]
     lines = [
-        "# Images through a served vision-language model, encoded in the language worker", "",
+        "# Images through a served vision-language model: encoded in the language worker, and by encoder workers", "",
         "```bash", run["command"], "```", "",
         f"Run {run['started']} on {env['cpu']} ({env['cpu_features']}), torch {env['torch']}, "
         f"transformers {env['transformers']}, kvbaton {env['kvbaton_commit']}; "
         f"seed {run['seed']}; {run['wall_s'] / 60:.1f} min. Model: random-weight LLaVA, CLIP ViT-B/16 tower at "
-        f"{IMAGE_SIDE} px ({(IMAGE_SIDE // 16) ** 2} image tokens) and a text model of SmolLM2-135M's shape, bf16; "
-        "one colocated worker, 2 threads.", "",
-        "| what | n | p50 ms | p99 ms | vs |", "|---|---|---|---|---|",
-        f"| image request TTFT, cold encoder cache | {len(cold)} | {fmt(statistics.median(cold))} | "
-        f"{fmt(pct(cold, 0.99))} | {fmt(ratio(statistics.median(cold), statistics.median(hf)), '.2f')}x "
-        "transformers |",
-        f"| image request TTFT, warm encoder cache (new text) | {len(warm)} | {fmt(statistics.median(warm))} | "
-        f"{fmt(pct(warm, 0.99))} | cold / warm = "
-        f"{fmt(ratio(statistics.median(cold), statistics.median(warm)), '.2f')}x |",
-        f"| transformers, TTFT of the same kind of request (the peer) | {len(hf)} | {fmt(statistics.median(hf))} | "
-        f"{fmt(pct(hf, 0.99))} | |",
-        f"| text TPOT, {len(m['text_alone'])} streams alone | {len(alone)} | {fmt(statistics.median(alone))} | "
-        f"{fmt(pct(alone, 0.99))} | |",
-        f"| text TPOT, same, while {m['images_during_text']} image requests arrive | {len(beside)} | "
-        f"{fmt(statistics.median(beside))} | {fmt(pct(beside, 0.99))} | p99 "
-        f"{fmt(ratio(pct(beside, 0.99), pct(alone, 0.99)), '.2f')}x alone |",
-        "",
-        "Reading it: a warm encoder cache takes the tower off an image request's first token (the prefix cache "
-        "holds none of it: the text before the image is new each time). The tower is about "
-        f"{fmt(statistics.median(cold) - statistics.median(warm), '.0f')} ms of a cold request's "
-        f"{fmt(statistics.median(cold), '.0f')} ms; the rest is the prefill of the image's "
-        f"{(IMAGE_SIDE // 16) ** 2} placeholders and the text, which no encoder cache saves, so cold / warm is "
-        "bounded by (tower + prefill) / prefill: with this tower and text model under 2x. Encoded inside the "
-        "language worker, an image stalls every decoding stream beside it for as long as its tower runs: the "
-        "TPOT p99 above is what encoder workers (E/P/D, issue 31) are to take away; their rows come with them.",
+        f"{IMAGE_SIDE} px ({(IMAGE_SIDE // 16) ** 2} image tokens) and a text model of SmolLM2-135M's shape, bf16. "
+        "Each deployment on the same 2 cores: " + "; ".join(f"**{name}**: `{' '.join(a)}`"
+                                                             for name, a in DEPLOYMENTS.items()) + ".", "",
+        "## Text chats decoding while image requests arrive", "",
+        f"{len(run['measured'][next(iter(figures))]['text_alone'])} text chats streaming at once, alone and while "
+        "image requests (a new image each) arrive one after another.", "",
+        "| deployment | text TPOT alone p50 / p99 ms | beside images p50 / p99 ms | p99 vs colocated | "
+        "text TTFT beside images p50 / p99 ms | image requests during |",
+        "|---|---|---|---|---|---|",
     ]
+    for name, f in figures.items():
+        m = run["measured"][name]
+        lines.append(f"| {name} | {fmt(f['alone_p50'])} / {fmt(f['alone_p99'])} | {fmt(f['beside_p50'])} / "
+                     f"{fmt(f['beside_p99'])} | {fmt(ratio(f['beside_p99'], base['beside_p99']), '.2f')}x | "
+                     f"{fmt(f['text_ttft_beside_p50'])} / {fmt(f['text_ttft_beside_p99'])} | "
+                     f"{m['images_during_text']} |")
+    lines += ["", "## Image requests", "",
+              "| deployment | TTFT cold encoder cache p50 / p99 ms | vs transformers | warm (new text) p50 / p99 ms | "
+              "cold / warm | encoder images/s |", "|---|---|---|---|---|---|"]
+    for name, f in figures.items():
+        encoders = run["measured"][name]["encoders"]
+        rate = ", ".join(fmt(e["images_per_s"], ".1f") for e in encoders if e.get("images_per_s")) or "-"
+        lines.append(f"| {name} | {fmt(f['cold_p50'])} / {fmt(f['cold_p99'])} | "
+                     f"{fmt(ratio(f['cold_p50'], statistics.median(hf)), '.2f')}x | {fmt(f['warm_p50'])} / "
+                     f"{fmt(f['warm_p99'])} | {fmt(ratio(f['cold_p50'], f['warm_p50']), '.2f')}x | {rate} |")
+    lines += [f"| transformers (the peer), same kind of request | {fmt(statistics.median(hf))} / {fmt(pct(hf, 0.99))} "
+              "| | | | |", "",
+              "Against the target (text TPOT p99 beside images <= 0.6x colocated): " + "; ".join(
+                  f"{name} {fmt(ratio(f['beside_p99'], base['beside_p99']), '.2f')}x"
+                  for name, f in list(figures.items())[1:]) + ". With one colocated worker behind the encoder, "
+              "the image's placeholders are still prefilled between the text streams' steps, on one thread "
+              "instead of two: only a prefill worker takes that stall away too.", "", *READING]
     return "\n".join(lines) + "\n"
+
+
+READING = [
+    "Reading it: encoded inside the language worker, an image stalls every decoding stream beside it for as long as "
+    "its tower runs (the colocated p99). An encoder worker takes the tower off the language worker's steps; with a "
+    "prefill worker too, the image's placeholders are prefilled off them as well. On 2 cores the workers share the "
+    "cores, so the text streams still slow while a tower or a prefill runs beside them, by the share of the cores "
+    "it takes, rather than stopping for it. A warm encoder cache takes the tower off an image request's first "
+    "token (the prefix cache holds none of it: the text before the image is new each time); the rest of it is the "
+    "prefill of the image's placeholders, which no encoder cache saves, so cold / warm is bounded by "
+    "(tower + prefill) / prefill.",
+]
 
 
 def main() -> None:
@@ -252,11 +292,15 @@ def main() -> None:
     try:
         log("building the random-weight LLaVA")
         model = build_model(work)
-        spec = kvbaton_server(name="kvbaton", port=free_port(), log_path=work / "serve.log", env=thread_env(2),
-                              timeout_s=300, serve_args=["--model", str(model), "--threads", "2",
-                                                         "--max-request-bytes", str(16 * 2**20)])
-        with Server(spec) as server:
-            measured = asyncio.run(measure(server.base_url, args, seed))
+        measured = {}
+        for i, (name, serve_args) in enumerate(DEPLOYMENTS.items()):
+            log(f"deployment: {name}")
+            spec = kvbaton_server(name="kvbaton", port=free_port(), log_path=work / f"serve-{i}.log",
+                                  env=thread_env(2), timeout_s=300,
+                                  serve_args=["--model", str(model), "--max-request-bytes", str(16 * 2**20),
+                                              *serve_args])
+            with Server(spec) as server:
+                measured[name] = asyncio.run(measure(server.base_url, args, seed + 100 * i))
         log("transformers peer")
         hf = hf_ttft(model, seed + 1, args.hf_reps)
     finally:
