@@ -151,9 +151,9 @@ def test_after_the_hostile_table_a_valid_request_is_answered_and_the_server_idle
 
 
 def test_hostile_table_against_pd_serving_harms_no_worker(default_model_dir):
-    """The same table against `--prefill 1 --decode 2` (every prompt through the prefill worker):
+    """The same table against `--prefill 1 --decode 1` (every prompt through the prefill worker):
     every request a 4xx, no worker lost or replaced, and a valid request answered after."""
-    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "2",
+    with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "1",
                         "--local-prefill-threshold", "0") as (base, _):
         pids = {w["name"]: w["pid"] for w in httpx.get(f"{base}/workers", timeout=10).json()["workers"]}
         for path, body, param in HOSTILE:
