@@ -35,10 +35,9 @@ from kvbaton.kv.layout import QUANTIZED, KVLayout
 from kvbaton.kv.pools import KVPools, allocate_pools
 from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan, plan_compute
-from kvbaton.mm.encoder_cache import EncoderCache
+from kvbaton.mm.cached_encoder import CachedEncoder
 from kvbaton.mm.images import DecodedImage
 from kvbaton.mm.placeholders import image_spans
-from kvbaton.mm.vision import load_image_encoder
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
 from kvbaton.parallel.afd.client import ExpertPoolClient
@@ -143,9 +142,9 @@ class EngineCore:
         model = load_model(model_dir, self.dtype, max_model_len)
         clock.lap("weights")
         # a vision-language model's images are encoded here (`--encode 0`): its tower and projector
-        self.image_encoder = load_image_encoder(model_dir, self.dtype) if self.model_config.vision else None
-        self.encoder_cache: EncoderCache[torch.Tensor] | None = (
-            EncoderCache(int(config.cache.encoder_cache_mb * 2**20)) if self.image_encoder else None)
+        self.vision_encoder = (CachedEncoder.load(model_dir, self.dtype, config.cache.encoder_cache_mb,
+                                                  config.kv_store) if self.model_config.vision else None)
+        self.encoder_cache = self.vision_encoder.cache if self.vision_encoder is not None else None
         self.expert_stats = ExpertStats.of(model, config.expert_load_window_steps)  # None: a dense model
         # before packing: only local experts get packed
         self.expert_parallel = self._join_expert_parallel(model_dir)
@@ -353,22 +352,11 @@ class EngineCore:
                 or self.scheduler.is_receiving(request_id))
 
     def _encode(self, request_id: str, images: list[DecodedImage]) -> list[torch.Tensor]:
-        """Each image's embeddings, the cached ones taken from the encoder cache, the others encoded in one
-        batch; all of them held for `request_id` until it ends."""
-        if self.image_encoder is None or self.encoder_cache is None:
+        """Each image's embeddings, from the encoder caches or encoded now; all held for `request_id` until it
+        ends (`CachedEncoder.encode`)."""
+        if self.vision_encoder is None:
             raise InvalidRequestError("this model does not take images")
-        cache = self.encoder_cache
-        found = [cache.acquire(request_id, im.digest) for im in images]
-        missing = [i for i, e in enumerate(found) if e is None]
-        try:
-            encoded = self.image_encoder.encode([images[i] for i in missing]) if missing else []
-        except Exception:
-            cache.release(request_id)
-            raise
-        for i, e in zip(missing, encoded):
-            cache.put(request_id, images[i].digest, e, e.nbytes)
-            found[i] = e
-        return [e for e in found if e is not None]
+        return self.vision_encoder.encode(request_id, images)
 
     def _drop_images(self, request_id: str) -> None:
         """A request ended (or never started): its embeddings go, and its hold on the encoder cache."""
@@ -542,7 +530,7 @@ class EngineCore:
                            kv_store_hit_tokens=self.scheduler.num_store_hit_tokens,
                            kv_store=tuple(self.store.stats()) if self.store is not None else (),
                            expert_load=self._expert_load(), decode_steps=self._decode_steps, afd=self._afd_stats(),
-                           encoder_cache=self.encoder_cache.stats() if self.encoder_cache is not None else None)
+                           encoder_cache=self.vision_encoder.stats() if self.vision_encoder is not None else None)
 
     def _choose_micro_batches(self, sched: SchedulerOutput) -> int | None:
         """--afd-micro-batches auto: set this decode step's micro-batch count (None: not a step it chooses for)."""
@@ -604,3 +592,5 @@ class EngineCore:
             self.step_trace.close()
         if self.expert_pool is not None:
             self.expert_pool.close()
+        if self.vision_encoder is not None:
+            self.vision_encoder.close()

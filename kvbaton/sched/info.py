@@ -124,15 +124,16 @@ class EncoderCacheStats:
     """A worker's encoder cache (`mm/encoder_cache.py`): counters since it started, and what it holds now."""
 
     hits: int = 0  # images whose embeddings were cached
-    misses: int = 0  # images encoded
+    misses: int = 0  # images not cached here: encoded, or found in the shared level
     evictions: int = 0  # unheld entries dropped for the byte bound
     bytes: int = 0
     entries: int = 0
+    shared_hits: int = 0  # of the misses, those the shared level (`mm/shared_encodings.py`) held
 
     def __add__(self, other: EncoderCacheStats) -> EncoderCacheStats:
         return EncoderCacheStats(self.hits + other.hits, self.misses + other.misses,
                                  self.evictions + other.evictions, self.bytes + other.bytes,
-                                 self.entries + other.entries)
+                                 self.entries + other.entries, self.shared_hits + other.shared_hits)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -47,7 +47,8 @@ _AFD_GAUGES = {  # metric name: (AfdStats field, help)
 # vision-language models: the workers' encoder caches (mm/encoder_cache.py), summed
 _ENCODER_CACHE_GAUGES = {
     "hits": "Images whose embeddings the encoder cache held, since start",
-    "misses": "Images encoded (not in the encoder cache), since start",
+    "misses": "Images not in the encoder cache (encoded, or found in the shared tier), since start",
+    "shared_hits": "Of those, images whose embeddings the shared tier held (another worker encoded them)",
     "evictions": "Encoder-cache entries no request held, dropped for its byte bound, since start",
     "bytes": "Bytes of image embeddings in the encoder caches",
     "entries": "Images in the encoder caches",

@@ -4,8 +4,9 @@ language worker that computes the prompt. So encoding, the heaviest part of an i
 runs between the decode steps of the requests beside it.
 
 Its queue is first come, first served, one request's images a round, so an abort or a drain is seen between two
-requests. It keeps an encoder cache of its own (by pixel digest, LRU within `--encoder-cache-mb`): the router
-sends a request to the encoder that encoded its images last when loads are equal.
+requests. It keeps an encoder cache of its own (by pixel digest, LRU within `--encoder-cache-mb`; the router sends
+a request to the encoder that encoded its images last when loads are equal) over the deployment's shared tier, if
+it has one (`--kv-store shm` or redis: another encoder worker's encodings count too).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-
-import torch
 
 from kvbaton.config import ConfigError
 from kvbaton.engine.core import resolve_dtype
@@ -31,10 +30,9 @@ from kvbaton.messages.router_worker import (
     WorkerLoad,
 )
 from kvbaton.messages.worker_spec import WorkerRole, WorkerSpec
+from kvbaton.mm.cached_encoder import CachedEncoder
 from kvbaton.mm.embeddings import to_bytes
-from kvbaton.mm.encoder_cache import EncoderCache
 from kvbaton.mm.images import DecodedImage
-from kvbaton.mm.vision import ImageEncoder, load_image_encoder
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.startup import StartupClock
 from kvbaton.sched.info import EngineStats
@@ -49,13 +47,13 @@ class EncodeRole(Role):
 
     def start(self, spec: WorkerSpec, secret: bytes, startup: StartupClock) -> None:
         engine = spec.engine
-        encoder = load_image_encoder(resolve_model(engine.model), resolve_dtype(engine.dtype))
+        encoder = CachedEncoder.load(resolve_model(engine.model), resolve_dtype(engine.dtype),
+                                     engine.cache.encoder_cache_mb, engine.kv_store)
         if encoder is None:
             raise ConfigError(f"{engine.model} takes no images: an encoder worker would have nothing to encode")
-        self.encoder: ImageEncoder = encoder
-        self.cache: EncoderCache[torch.Tensor] = EncoderCache(int(engine.cache.encoder_cache_mb * 2**20))
+        self.encoder = encoder
         self.queue: deque[EncodeImages] = deque()
-        self.encoded, self.busy_s, self.started = 0, 0.0, time.monotonic()
+        self.started = time.monotonic()
         startup.lap("encoder")
         self.startup = startup
 
@@ -81,22 +79,12 @@ class EncodeRole(Role):
         worker.report_load()
 
     def _encode(self, msg: EncodeImages) -> list[ImageEmbedding]:
-        """Each image's embeddings, the cached ones from the cache; the entries are held only while this runs."""
+        """Each image's embeddings, the cached ones from the caches; held only while this runs."""
         images = [DecodedImage(p.digest, p.width, p.height, p.rgb) for p in msg.images]
         try:
-            found = [self.cache.acquire(msg.request_id, im.digest) for im in images]
-            missing = [i for i, e in enumerate(found) if e is None]
-            if missing:
-                start = time.perf_counter()
-                encoded = self.encoder.encode([images[i] for i in missing])
-                self.busy_s += time.perf_counter() - start
-                self.encoded += len(missing)
-                for i, e in zip(missing, encoded):
-                    self.cache.put(msg.request_id, images[i].digest, e, e.nbytes)
-                    found[i] = e
-            sent = [to_bytes(e) for e in found if e is not None]
+            sent = [to_bytes(e) for e in self.encoder.encode(msg.request_id, images)]
         finally:
-            self.cache.release(msg.request_id)
+            self.encoder.release(msg.request_id)
         return [ImageEmbedding(digest=im.digest, dtype=e.dtype, rows=e.rows, cols=e.cols, data=e.data)
                 for im, e in zip(images, sent)]
 
@@ -111,10 +99,11 @@ class EncodeRole(Role):
         return not self.queue
 
     def load(self, seq: int) -> WorkerLoad:
-        encode = EncodeLoad(queued_images=sum(len(m.images) for m in self.queue), encoded=self.encoded,
-                            busy_s=self.busy_s, alive_s=time.monotonic() - self.started)
-        return WorkerLoad(EngineStats(num_waiting=len(self.queue), encoder_cache=self.cache.stats()), 0, 0, seq,
+        encoder = self.encoder
+        encode = EncodeLoad(queued_images=sum(len(m.images) for m in self.queue), encoded=encoder.encoded,
+                            busy_s=encoder.busy_s, alive_s=time.monotonic() - self.started)
+        return WorkerLoad(EngineStats(num_waiting=len(self.queue), encoder_cache=encoder.stats()), 0, 0, seq,
                           encode=encode)
 
     def close(self) -> None:
-        pass
+        self.encoder.close()
