@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 BlockHash = bytes
 
@@ -48,12 +48,15 @@ def salted_root(salt: str | None) -> BlockHash | None:
 
 
 def chained_block_hashes(token_ids: Sequence[int], block_size: int, parent: BlockHash | None = None,
-                         start_block: int = 0, num_blocks: int | None = None) -> list[BlockHash]:
+                         start_block: int = 0, num_blocks: int | None = None,
+                         images: Callable[[int, int], bytes] | None = None) -> list[BlockHash]:
     """Hashes of the full blocks `start_block .. start_block + num_blocks` of `token_ids` (default: every full
-    block from `start_block`), chained from `parent`, the hash of block `start_block - 1`."""
+    block from `start_block`), chained from `parent`, the hash of block `start_block - 1`. `images(start, end)`:
+    the digests of the images with placeholders in positions [start, end) (`sched.request.digests_between`)."""
     end = len(token_ids) // block_size if num_blocks is None else start_block + num_blocks
     out: list[BlockHash] = []
     for i in range(start_block, end):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+        lo, hi = i * block_size, (i + 1) * block_size
+        parent = hash_block_tokens(parent, token_ids[lo:hi], images(lo, hi) if images is not None else b"")
         out.append(parent)
     return out

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvbaton.messages.router_worker import ImageEmbedding, ImagePixels
+from kvbaton.sched.request import ImageSpan
 from kvbaton.sched.sampling_params import SamplingParams
 
 
@@ -43,6 +44,7 @@ class Flight:
     last_progress: float = field(default_factory=time.monotonic)  # arrival, then each output's arrival
     resuming: bool = False  # an attempt that continues a stream: its first output says what it restored
     images: tuple[ImagePixels, ...] = ()  # those whose placeholders the prompt holds (each attempt sends them)
+    image_spans: tuple[ImageSpan, ...] = ()  # where their placeholders are (the prefix-aware policy hashes them)
     encoder: str | None = None  # the encoder worker encoding them now
     # their embeddings, once an encoder worker sent them: every later attempt sends these instead of the pixels
     embeddings: tuple[ImageEmbedding, ...] = ()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Protocol, TypeVar
 
 from kvbaton.kv.hashing import chained_block_hashes, salted_root
+from kvbaton.sched.request import ImageSpan, digests_between
 
 
 class Candidate(Protocol):
@@ -32,14 +34,17 @@ C = TypeVar("C", bound=Candidate)
 
 class Policy(ABC):
     """Pick one of `candidates` (never empty) for a prompt; `note_routed` learns from the choice. `cache_salt`
-    is the request's: its blocks are cached under hashes of their own, shared with no other salt."""
+    is the request's: its blocks are cached under hashes of their own, shared with no other salt; `images`: the
+    prompt's images (their placeholders are the same tokens for every image, so their digests name the blocks
+    that hold them, as in the engines' prefix caches)."""
 
     @abstractmethod
-    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None,
+             images: Sequence[ImageSpan] = ()) -> C:
         ...
 
     def note_routed(self, worker_name: str, prompt_token_ids: list[int],  # noqa: B027
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, images: Sequence[ImageSpan] = ()) -> None:
         """Optional: policies that learn from routing decisions override this."""
 
     def forget_worker(self, worker_name: str) -> None:  # noqa: B027
@@ -50,7 +55,8 @@ class RoundRobin(Policy):
     def __init__(self, block_size: int = 16) -> None:
         self._counter = itertools.count()
 
-    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None,
+             images: Sequence[ImageSpan] = ()) -> C:
         return candidates[next(self._counter) % len(candidates)]
 
 
@@ -60,7 +66,8 @@ class LeastLoaded(Policy):
     def __init__(self, block_size: int = 16) -> None:
         pass
 
-    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None,
+             images: Sequence[ImageSpan] = ()) -> C:
         return min(candidates, key=lambda w: w.load_score)
 
 
@@ -73,8 +80,10 @@ class PrefixIndex:
         self.max_blocks = max_blocks_per_worker
         self._blocks: dict[str, OrderedDict[bytes, None]] = {}
 
-    def hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
-        return chained_block_hashes(token_ids, self.block_size, parent=salted_root(cache_salt))
+    def hashes(self, token_ids: list[int], cache_salt: str | None = None,
+               images: Sequence[ImageSpan] = ()) -> list[bytes]:
+        return chained_block_hashes(token_ids, self.block_size, parent=salted_root(cache_salt),
+                                    images=partial(digests_between, images) if images else None)
 
     def matched_blocks(self, worker: str, hashes: list[bytes]) -> int:
         known = self._blocks.get(worker)
@@ -106,12 +115,14 @@ class PrefixAware(Policy):
     def __init__(self, block_size: int = 16) -> None:
         self.index = PrefixIndex(block_size)
 
-    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None) -> C:
-        hashes = self.index.hashes(prompt_token_ids, cache_salt)
+    def pick(self, candidates: list[C], prompt_token_ids: list[int], cache_salt: str | None = None,
+             images: Sequence[ImageSpan] = ()) -> C:
+        hashes = self.index.hashes(prompt_token_ids, cache_salt, images)
         return max(candidates, key=lambda w: (self.index.matched_blocks(w.name, hashes), -w.load_score))
 
-    def note_routed(self, worker_name: str, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
-        self.index.add(worker_name, self.index.hashes(prompt_token_ids, cache_salt))
+    def note_routed(self, worker_name: str, prompt_token_ids: list[int], cache_salt: str | None = None,
+                    images: Sequence[ImageSpan] = ()) -> None:
+        self.index.add(worker_name, self.index.hashes(prompt_token_ids, cache_salt, images))
 
     def forget_worker(self, worker_name: str) -> None:
         self.index.forget(worker_name)

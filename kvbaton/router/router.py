@@ -49,6 +49,7 @@ from kvbaton.messages.router_worker import (
     WorkerOutputs,
 )
 from kvbaton.messages.worker_spec import WorkerRole
+from kvbaton.mm.placeholders import image_spans
 from kvbaton.router.diagnostics import PoolDiagnostics
 from kvbaton.router.errors import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from kvbaton.router.flight import Flight, Phase
@@ -181,10 +182,11 @@ class Router:
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "no decode worker is running")
         self.validate(token_ids, params, priority)
+        spans = image_spans(self.info.vision, token_ids, [im.digest for im in images])
         if images:
             self._check_encode_queue(len(images))
         flight = Flight(request_id=request_id, prompt_token_ids=token_ids, params=params, priority=priority,
-                        queue=asyncio.Queue(), images=tuple(images))
+                        queue=asyncio.Queue(), images=tuple(images), image_spans=spans)
         self.flights[request_id] = flight
         self.outputs.add_request(request_id, prompt, token_ids, params, time.monotonic())
         try:
@@ -251,8 +253,8 @@ class Router:
             return
         prompt, _ = flight.continuation()
         salt = flight.params.cache_salt
-        decode = self._decode_policy.pick(decoders, prompt, salt)
-        self._decode_policy.note_routed(decode.name, prompt, salt)
+        decode = self._decode_policy.pick(decoders, prompt, salt, flight.image_spans)
+        self._decode_policy.note_routed(decode.name, prompt, salt, flight.image_spans)
         flight.decode = decode.name
         decode.attempts.add(flight.attempt_id)
         # NOTE: a request with images goes through a prefill worker only with their embeddings (E/P/D): the decode
@@ -325,8 +327,8 @@ class Router:
             return
         self.counters["disaggregated"] += 1
         salt = flight.params.cache_salt
-        prefill = self._prefill_policy.pick(prefillers, flight.prompt_token_ids, salt)
-        self._prefill_policy.note_routed(prefill.name, flight.prompt_token_ids, salt)
+        prefill = self._prefill_policy.pick(prefillers, flight.prompt_token_ids, salt, flight.image_spans)
+        self._prefill_policy.note_routed(prefill.name, flight.prompt_token_ids, salt, flight.image_spans)
         flight.prefill, flight.phase = prefill.name, Phase.PREFILLING
         prefill.attempts.add(flight.attempt_id)
         assert decode.receiver is not None, "a decode worker always has a KV receiver"

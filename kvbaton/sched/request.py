@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass, field
 
 from kvbaton.sched.outputs import FinishReason, RemoteDecode, TokenLogprobs
@@ -37,6 +38,12 @@ class ImageSpan:
     start: int
     length: int
     digest: bytes
+
+
+def digests_between(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """The digests of the images of `spans` with a placeholder at positions [start, end), in order (b"": none):
+    what a KV block's content hash chains besides its tokens (`kv.hashing.hash_block_tokens`)."""
+    return b"".join(s.digest for s in spans if s.start < end and start < s.start + s.length)
 
 
 @dataclass
@@ -79,7 +86,7 @@ class Request:
 
     def image_digests(self, start: int, end: int) -> bytes:
         """The digests of the images with a placeholder at positions [start, end), in order (b"": none)."""
-        return b"".join(s.digest for s in self.image_spans if s.start < end and start < s.start + s.length)
+        return digests_between(self.image_spans, start, end)
 
     @property
     def is_finished(self) -> bool:

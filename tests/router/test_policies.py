@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvbaton.kv.hashing import chained_block_hashes, salted_root
+from kvbaton.kv.hashing import chained_block_hashes, hash_block_tokens, salted_root
 from kvbaton.router.policies import POLICIES, LeastLoaded, PrefixAware, PrefixIndex, RoundRobin, make_policy
+from kvbaton.sched.request import ImageSpan, Request
+from kvbaton.sched.sampling_params import SamplingParams
 
 BS = 4
 
@@ -77,6 +79,26 @@ def test_prefix_aware_keeps_each_cache_salt_apart():
     assert policy.pick(workers, system, cache_salt="tenant-b").name == "w0"
     assert policy.pick(workers, system, cache_salt="tenant-a").name == "w1"
     assert policy.index.hashes(system, "tenant-a") == chained_block_hashes(system, BS, parent=salted_root("tenant-a"))
+
+
+def test_prefix_aware_tells_images_apart_as_the_engines_prefix_caches_do():
+    """Every image's placeholders are the same tokens: the blocks holding them are named by the image's digest
+    too, exactly as an engine's prefix cache names them, so a prompt follows the worker that saw its image and
+    another image matches only the blocks before it."""
+    policy, workers = PrefixAware(BS), pool(0, 5)
+    placeholders = [9] * 8  # 2 blocks of one image's placeholders, after 2 blocks of text
+    prompt = list(range(1, 9)) + placeholders + [20, 21, 22, 23]
+    cat, dog = (ImageSpan(8, 8, bytes([1]) * 32),), (ImageSpan(8, 8, bytes([2]) * 32),)
+    policy.note_routed("w1", prompt, images=cat)
+    assert policy.pick(workers, prompt, images=cat).name == "w1"
+    assert policy.index.matched_blocks("w1", policy.index.hashes(prompt, images=dog)) == 2  # the text before it
+    assert policy.pick(workers, prompt, images=dog).name == "w1"  # still the longest match (2 blocks)
+    assert policy.pick(workers, prompt).name == "w1"
+    # the engine's hashes: a request's block hashes with the same spans
+    req = Request("r", prompt, SamplingParams(), image_spans=cat)
+    assert policy.index.hashes(prompt, images=cat) == [
+        hash_block_tokens(None if i == 0 else policy.index.hashes(prompt, images=cat)[i - 1],
+                          prompt[i * BS:(i + 1) * BS], req.image_digests(i * BS, (i + 1) * BS)) for i in range(5)]
 
 
 def test_prefix_aware_breaks_ties_by_load_and_forgets_workers_that_left():
