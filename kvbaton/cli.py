@@ -275,7 +275,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         _add_package_parsers(sub)
     workers = sub.add_parser("workers", help="list, add or drain the workers of a running `kvbaton serve`")
     workers.add_argument("action", choices=["list", "add", "drain"])
-    workers.add_argument("target", nargs="?", help="add: prefill|decode; drain: a worker name (see list)")
+    workers.add_argument("target", nargs="?", help="add: prefill|decode|encode; drain: a worker name (see list)")
     workers.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     admin_key = os.environ.get("KVBATON_ADMIN_API_KEY", os.environ.get("KVBATON_API_KEY"))
     workers.add_argument("--api-key", default=admin_key,
@@ -373,7 +373,7 @@ def _add_autoscale_args(serve: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale", action="store_true", help="run the SLA autoscaler (needs both --slo-* flags)")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="time-to-first-token target, p99")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="time-per-output-token target, p99")
-    for pool in ("prefill", "decode"):
+    for pool in ("prefill", "decode", "encode"):
         g.add_argument(f"--min-{pool}", type=int, default=1, help=f"the fewest {pool} workers (default 1)")
         g.add_argument(f"--max-{pool}", type=int, default=None, help=f"the most {pool} workers (default: "
                                                                         "--max-workers bounds them)")
@@ -406,7 +406,8 @@ def autoscale_from_args(args: argparse.Namespace) -> AutoscaleConfig | None:
         raise ConfigError("--adapt-threshold moves PD routing: it needs a prefill pool (--prefill N)")
     return AutoscaleConfig(slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000,
                            min_prefill=args.min_prefill, max_prefill=args.max_prefill, min_decode=args.min_decode,
-                           max_decode=args.max_decode, interval_s=args.autoscale_interval,
+                           max_decode=args.max_decode, min_encode=args.min_encode, max_encode=args.max_encode,
+                           interval_s=args.autoscale_interval,
                            cooldown_s=args.autoscale_cooldown, window_s=args.autoscale_window,
                            adapt_threshold=args.adapt_threshold, min_threshold=args.min_local_prefill_threshold,
                            max_threshold=args.max_local_prefill_threshold)

@@ -28,10 +28,11 @@ from kvbaton.cluster.autoscale_policy import (
     PoolState,
     decide,
     decode_verdict,
+    encode_verdict,
     prefill_verdict,
 )
 from kvbaton.cluster.autoscale_threshold import ThresholdDecision, threshold_decision
-from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample
+from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample, images_encoding
 from kvbaton.messages.worker_spec import WorkerRole
 from kvbaton.router.router import Router
 from kvbaton.router.supervision import SlotState
@@ -40,17 +41,20 @@ from kvbaton.text.request_output import RequestOutput
 logger = logging.getLogger(__name__)
 DecisionListener = Callable[[Decision, Measurements], None]
 
-_ROLES = {Pool.PREFILL: (WorkerRole.PREFILL,), Pool.DECODE: (WorkerRole.DECODE, WorkerRole.BOTH)}
-_ADD_ROLE = {Pool.PREFILL: WorkerRole.PREFILL, Pool.DECODE: WorkerRole.DECODE}  # the router makes it `both` alone
+_ROLES = {Pool.PREFILL: (WorkerRole.PREFILL,), Pool.DECODE: (WorkerRole.DECODE, WorkerRole.BOTH),
+          Pool.ENCODE: (WorkerRole.ENCODE,)}
+# the router makes a decode worker `both` alone
+_ADD_ROLE = {Pool.PREFILL: WorkerRole.PREFILL, Pool.DECODE: WorkerRole.DECODE, Pool.ENCODE: WorkerRole.ENCODE}
+_VERDICTS = {Pool.PREFILL: prefill_verdict, Pool.DECODE: decode_verdict, Pool.ENCODE: encode_verdict}
 
 
 class Autoscaler:
     def __init__(self, router: Router, config: AutoscaleConfig, max_workers: int, sample_s: float = 0.25) -> None:
         self.router, self.config, self.max_workers = router, config, max_workers
         self.sample_s = min(sample_s, config.interval_s / 4)
-        slots = router.pool.supervisor.slots.values()
-        self.pools = (Pool.DECODE, Pool.PREFILL) if any(s.spec.role == WorkerRole.PREFILL for s in slots) \
-            else (Pool.DECODE,)
+        roles = {s.spec.role for s in router.pool.supervisor.slots.values()}
+        # NOTE: a pool the deployment started without stays without (0 prefill: colocated; 0 encode: --encode 0)
+        self.pools = (Pool.DECODE, *(p for p in (Pool.PREFILL, Pool.ENCODE) if _ROLES[p][0] in roles))
         self.window = LoadWindow(config.window_s)
         threshold = router.config.local_prefill_threshold if Pool.PREFILL in self.pools else 0
         self._flights = FlightWatch(prefill_threshold=threshold)
@@ -103,9 +107,11 @@ class Autoscaler:
         workers = [w for w in self.router.pool.workers.values() if w.alive]
         decode = [w for w in workers if w.role.decodes]
         prefill = [w for w in workers if w.role == WorkerRole.PREFILL]
-        arrived, prefilled = self._flights.scan(self.router.flights)
-        self.window.add_sample(PoolSample.of(now, decode, prefill if Pool.PREFILL in self.pools else None),
-                               arrived, prefilled)
+        encode = [w for w in workers if w.role == WorkerRole.ENCODE] if Pool.ENCODE in self.pools else None
+        arrived, prefilled, images = self._flights.scan(self.router.flights)
+        sample = PoolSample.of(now, decode, prefill if Pool.PREFILL in self.pools else None, encode,
+                               images_encoding(self.router.flights), self.router.counters["encode_refused_images"])
+        self.window.add_sample(sample, arrived, prefilled, images if encode is not None else 0)
 
     def _state(self, pool: Pool, now: float) -> PoolState:
         p = self.router.pool
@@ -121,10 +127,11 @@ class Autoscaler:
 
     def _tick(self, now: float) -> None:
         states = {pool: self._state(pool, now) for pool in self.pools}
-        m = self.window.measure(now, self.config, self.max_batch, {p: s.num_workers for p, s in states.items()})
+        m = self.window.measure(now, self.config, self.max_batch, {p: s.num_workers for p, s in states.items()},
+                                self.router.pool.config.encode_queue)
         self.measured = m
         for pool in self.pools:
-            verdict = prefill_verdict(self.config, m) if pool == Pool.PREFILL else decode_verdict(self.config, m)
+            verdict = _VERDICTS[pool](self.config, m)
             decision = decide(self.config, pool, verdict, states[pool])
             entry = self._record(decision, m)
             if entry is not None:

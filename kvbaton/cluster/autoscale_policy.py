@@ -17,6 +17,14 @@ Prefill pool:
     load            L = prompt tokens arriving per second (the last interval's: a constant predictor)
     scale up to     ceil(L / (C * up_fill));   down by 1 when ceil(L / (C * down_fill)) < n
 
+Encoder pool (E/P/D), the prefill pool's rule in images:
+
+    capacity        C = images one busy encoder worker encodes per second (its own count)
+    load            L = images arriving per second at the encoder pool (the last interval's)
+    scale up to     ceil(L / (C * up_fill));   down by 1 when ceil(L / (C * down_fill)) < n
+    pressure        images refused for the queue's bound in the last interval, or queued at half the admission
+                    bound (`--encode-queue` per worker): the next burst would be refused
+
 Pressure adds a worker whatever the formulas say: TPOT p99 over the SLO, KV usage at `kv_high`, and
 for colocated replicas (which prefill too) TTFT p99 over the SLO or `queue_high` waiting requests per
 worker; for the prefill pool, TTFT p99 over the SLO with requests waiting for a prefill worker.
@@ -40,6 +48,7 @@ from kvbaton.sched.info import DecodeStepTimes
 class Pool(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"  # decode workers, or colocated replicas (role `both`) when there is no prefill pool
+    ENCODE = "encode"  # encoder workers (E/P/D)
 
 
 class Action(str, enum.Enum):
@@ -56,6 +65,8 @@ class AutoscaleConfig:
     max_prefill: int | None = None  # None: only --max-workers bounds it
     min_decode: int = 1
     max_decode: int | None = None
+    min_encode: int = 1
+    max_encode: int | None = None
     interval_s: float = 10.0  # between decisions
     cooldown_s: float = 30.0  # after a change, the pool holds this long
     window_s: float = 60.0  # TTFT / TPOT percentiles over the requests finished this recently
@@ -74,7 +85,8 @@ class AutoscaleConfig:
             raise ConfigError(f"the SLOs must be > 0 (got TTFT {self.slo_ttft_s * 1000:g} ms, "
                               f"TPOT {self.slo_tpot_s * 1000:g} ms)")
         for pool, low, high in (("prefill", self.min_prefill, self.max_prefill),
-                                ("decode", self.min_decode, self.max_decode)):
+                                ("decode", self.min_decode, self.max_decode),
+                                ("encode", self.min_encode, self.max_encode)):
             if low < 1:
                 raise ConfigError(f"--min-{pool} must be >= 1, got {low}")
             if high is not None and high < low:
@@ -92,7 +104,8 @@ class AutoscaleConfig:
             raise ConfigError(f"need 0 < interference_high ({self.interference_high}) < 1")
 
     def bounds(self, pool: Pool) -> tuple[int, int | None]:
-        return (self.min_prefill, self.max_prefill) if pool == Pool.PREFILL else (self.min_decode, self.max_decode)
+        return {Pool.PREFILL: (self.min_prefill, self.max_prefill), Pool.DECODE: (self.min_decode, self.max_decode),
+                Pool.ENCODE: (self.min_encode, self.max_encode)}[pool]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +120,20 @@ class PoolLoad:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EncodePoolLoad:
+    """The encoder pool over the last interval."""
+
+    num_workers: int
+    queued_mean: float  # images waiting or encoding at the pool (the router's count), interval mean
+    queued_max: float
+    images_per_s: float  # images arriving, last interval
+    images_per_s_window: float
+    capacity_ips: float | None  # images per busy encoder-worker second (None: none encoded yet)
+    queue_bound: int  # images per worker admission takes (--encode-queue)
+    refused: int = 0  # images admission refused for that bound, last interval (demand the rate does not show)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Measurements:
     ttft_p99_s: float | None  # over the window's finished requests (None: none finished)
     tpot_p99_s: float | None
@@ -118,6 +145,7 @@ class Measurements:
     input_tps_window: float = 0.0  # ... over the window
     prefill_capacity_tps: float | None = None  # prompt tokens per busy prefill-worker second (None: not seen busy)
     decode_steps: DecodeStepTimes | None = None  # PD: the decode workers' steps over the last interval
+    encode: EncodePoolLoad | None = None  # None: no encoder pool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,6 +277,29 @@ def prefill_verdict(c: AutoscaleConfig, m: Measurements) -> Verdict:
     return Verdict(n, "within the band; " + ", ".join(facts))
 
 
+def encode_verdict(c: AutoscaleConfig, m: Measurements) -> Verdict:
+    """The encoder pool's wanted size from arriving images over one worker's measured images/s, and its queue."""
+    assert m.encode is not None, "only a deployment with an encoder pool has an encode verdict"
+    load, n, cap = m.encode, m.encode.num_workers, m.encode.capacity_ips
+    half_bound = load.queue_bound * n / 2
+    facts = [f"images {load.images_per_s:.1f}/s (window {load.images_per_s_window:.1f})",
+             f"capacity {'unmeasured' if cap is None else f'{cap:.1f}'} images/s/worker",
+             f"queued {load.queued_mean:.1f} (max {load.queued_max:.0f}, admission bound {load.queue_bound * n})",
+             f"refused {load.refused}"]
+    need_up = math.ceil(load.images_per_s / (cap * c.up_fill)) if cap else n
+    rate_down = max(load.images_per_s, load.images_per_s_window)
+    need_down = math.ceil(rate_down / (cap * c.down_fill)) if cap else (0 if rate_down == 0 else n)
+    pressure = ("images refused for the queue's bound" if load.refused
+                else "images queued at half the admission bound" if load.queued_mean >= half_bound else "")
+    if need_up > n or pressure:
+        why = f"needs {need_up}" if need_up > n else f"pressure: {pressure}"
+        return Verdict(max(need_up, n + 1 if pressure else n), f"{why}; " + ", ".join(facts))
+    queue_ok = load.queued_max < c.down_fill * load.queue_bound * (n - 1) / 2 and not load.refused
+    if n > 1 and need_down < n and queue_ok:
+        return Verdict(n - 1, f"{n - 1} would do (needs {need_down} at {c.down_fill:.0%} fill); " + ", ".join(facts))
+    return Verdict(n, "within the band; " + ", ".join(facts))
+
+
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
 
@@ -281,10 +332,12 @@ def decide(c: AutoscaleConfig, pool: Pool, verdict: Verdict, state: PoolState) -
     return Decision(pool=pool, action=action, current=n, target=target, reason=verdict.reason)
 
 
-def check_deployment(c: AutoscaleConfig, num_prefill: int, num_decode: int, max_workers: int) -> None:
+def check_deployment(c: AutoscaleConfig, num_prefill: int, num_decode: int, max_workers: int,
+                     num_encode: int = 0) -> None:
     """ConfigError unless the deployment starts within the autoscaler's bounds (a pool of 0 prefill workers
-    stays at 0: colocated replicas do not turn into a PD deployment)."""
+    stays at 0: colocated replicas do not turn into a PD deployment; nor does one of 0 encoder workers)."""
     pools = [(Pool.DECODE, num_decode)] + ([(Pool.PREFILL, num_prefill)] if num_prefill else [])
+    pools += [(Pool.ENCODE, num_encode)] if num_encode else []
     for pool, n in pools:
         low, high = c.bounds(pool)
         if n < low or (high is not None and n > high):

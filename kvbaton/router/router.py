@@ -97,7 +97,8 @@ class Router:
         # re-dispatched after a failure (a transfer, or a worker, that did not make it); and how many were
         # aborted before their end (their consumer gone: a client that left, a request cancelled).
         self.counters = {"disaggregated": 0, "local": 0, "fallbacks": 0, "workers_lost": 0, "timeouts": 0,
-                         "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0, "aborted": 0}
+                         "resumed": 0, "resumed_tokens_restored": 0, "resumed_tokens_recomputed": 0, "aborted": 0,
+                         "encode_refused_images": 0}
         self._deadlines: asyncio.Task | None = None
         self._encoded_at: OrderedDict[str, str] = OrderedDict()  # image digest -> the encoder worker that encoded it
         # the probes behind /admin/diagnostics/* (`kvbaton doctor`)
@@ -236,6 +237,7 @@ class Router:
         bound = self.pool.config.encode_queue * len(encoders)
         queued = sum(len(f.images) for f in self.flights.values() if f.phase == Phase.ENCODING)
         if queued + num_images > bound:
+            self.counters["encode_refused_images"] += num_images  # demand the autoscaler counts too
             raise EngineOverloadedError(f"the encoder pool's queue is full ({queued} images waiting, at most {bound} "
                                         f"for {len(encoders)} encoder worker(s)); retry later")
 

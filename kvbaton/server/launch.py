@@ -60,7 +60,7 @@ class ServeOptions:
         d = self.deployment
         if max(d.pool.prefill_ep_size, d.pool.decode_ep_size) > 1:
             raise ConfigError("--autoscale cannot resize expert-parallel groups yet (--expert-parallel-size > 1)")
-        check_deployment(self.autoscale, d.num_prefill, d.num_decode, self.max_workers)
+        check_deployment(self.autoscale, d.num_prefill, d.num_decode, self.max_workers, d.pool.encode_workers)
 
 
 def serve(config: EngineConfig, options: ServeOptions) -> int:

@@ -16,6 +16,7 @@ from kvbaton.cluster import autoscale, autoscale_policy, autoscale_window
 from kvbaton.cluster.autoscale_policy import (
     Action,
     AutoscaleConfig,
+    EncodePoolLoad,
     Measurements,
     Pool,
     PoolLoad,
@@ -24,6 +25,7 @@ from kvbaton.cluster.autoscale_policy import (
     check_deployment,
     decide,
     decode_verdict,
+    encode_verdict,
     feasible_batch,
     prefill_verdict,
 )
@@ -146,6 +148,47 @@ def test_prefill_pressure_and_an_unmeasured_capacity():
     assert prefill_verdict(CONFIG, idle).target == 1  # nothing arrives: the least it may be
 
 
+def encoders(n: int, *, queued: float = 0.0, queued_max: float | None = None, rate: float = 0.0,
+             rate_window: float | None = None, capacity: float | None = 10.0) -> EncodePoolLoad:
+    return EncodePoolLoad(num_workers=n, queued_mean=queued, queued_max=queued if queued_max is None else queued_max,
+                          images_per_s=rate, images_per_s_window=rate if rate_window is None else rate_window,
+                          capacity_ips=capacity, queue_bound=8)
+
+
+def refusing_reason(m: Measurements) -> str:
+    return encode_verdict(CONFIG, m).reason
+
+
+def test_the_encoder_pool_scales_arriving_images_over_measured_images_per_second():
+    def target(pool: EncodePoolLoad) -> int:
+        return encode_verdict(CONFIG, measured(load(1, 1.0), encode=pool)).target
+
+    assert target(encoders(1, rate=25.0)) == 3  # 25 images/s over 10 per worker
+    assert target(encoders(3, rate=5.0, rate_window=10.0)) == 2  # the window's 10/s fit 2 at 60%
+    assert target(encoders(2, rate=5.0, rate_window=15.0)) == 2  # 15/s needs 3 at 60%: keep 2
+    assert target(encoders(2, rate=1.0, queued=8.0)) == 3  # half the admission bound (2 x 8) queued: pressure
+    refusing = measured(load(1, 1.0), encode=dataclasses.replace(encoders(2, rate=1.0), refused=3))
+    assert encode_verdict(CONFIG, refusing).target == 3 and "refused for the queue's bound" in refusing_reason(refusing)
+    assert target(encoders(2, rate=1.0, queued=1.0, queued_max=5.0)) == 2  # the smaller pool would queue
+    assert target(encoders(2, rate=30.0, capacity=None)) == 2  # nothing encoded yet: no formula, hold
+    assert target(encoders(2, capacity=None)) == 1  # nothing arrives: the least it may be
+    reason = encode_verdict(CONFIG, measured(load(1, 1.0), encode=encoders(1, rate=25.0))).reason
+    assert "images 25.0/s" in reason and "capacity 10.0 images/s/worker" in reason and "bound 8" in reason
+
+
+def test_the_window_measures_the_encoder_pool():
+    window = LoadWindow(10.0)
+    for i, (queued, encoded) in enumerate([(0, (0, 0.0)), (4, (10, 1.0)), (2, (30, 2.0))]):
+        at = dataclasses.replace(sample(float(i), 1, 0), encode_queued=queued, encoded=encoded,
+                                 encode_refused=[5, 7, 12][i])
+        window.add_sample(at, 0, 0, images=6)
+    m = window.measure(2.0, CONFIG, 16, {Pool.DECODE: 1, Pool.ENCODE: 2}, encode_queue=8)
+    assert m.encode == EncodePoolLoad(num_workers=2, queued_mean=3.0, queued_max=4, images_per_s=12.0,
+                                      images_per_s_window=9.0, capacity_ips=15.0, queue_bound=8,
+                                      refused=7)  # 12 - 5: since the sample before the interval
+    assert window.measure(2.0, CONFIG, 16, {Pool.DECODE: 1}).encode is None
+
+
 # ---- from a verdict to an action ------------------------------------------------------------
 
 
@@ -189,6 +232,9 @@ def test_the_deployment_must_start_within_the_bounds():
         check_deployment(c, 1, 1, 16)
     with pytest.raises(ConfigError, match="exceed --max-workers 2"):
         check_deployment(c, 2, 1, 2)
+    check_deployment(dataclasses.replace(c, min_encode=2), 0, 1, 4)  # --encode 0: the encode bounds do not apply
+    with pytest.raises(ConfigError, match="--encode 3 is outside --min-encode 1 .. --max-encode 2"):
+        check_deployment(dataclasses.replace(c, max_encode=2), 0, 1, 16, num_encode=3)
 
 
 # ---- the window ---------------------------------------------------------------------------
@@ -238,11 +284,11 @@ def test_flight_watch_counts_arrivals_and_prompts_through_a_prefill_worker():
 
     watch = FlightWatch(prefill_threshold=64)
     flights = {"a": flight("a", 100), "b": flight("b", 10)}
-    assert watch.scan(flights) == (100, 0)  # b is short: it is prefilled on its decode worker
+    assert watch.scan(flights) == (100, 0, 0)  # b is short: it is prefilled on its decode worker
     flights["a"].tokens, flights["a"].prefill, flights["a"].num_cached_tokens = [7], "kvbaton-prefill-0", 32
     flights["b"].tokens = [5]
-    assert watch.scan(flights) == (0, 68)  # a's uncached part went through the prefill pool
-    assert watch.scan({}) == (0, 0)
+    assert watch.scan(flights) == (0, 68, 0)  # a's uncached part went through the prefill pool
+    assert watch.scan({}) == (0, 0, 0)
 
 
 # ---- the local-prefill threshold -----------------------------------------------------------------
