@@ -301,17 +301,19 @@ class EngineCore:
         in the encoder cache) or as `embeddings` (digest and embeddings: an encoder worker's, E/P/D); the runner
         puts them in place of their placeholders."""
         self.validate(req)
-        self._take_images(req, images, embeddings)
+        took = self._take_images(req, images, embeddings)
         try:
             self._queue(req)
         except Exception:
-            self._drop_images(req.request_id)
+            if took:  # (not another request's: a duplicate id is refused before any image is taken)
+                self._drop_images(req.request_id)
             raise
 
     def _take_images(self, req: Request, images: Sequence[DecodedImage],
-                     embeddings: Sequence[tuple[str, torch.Tensor]]) -> None:
+                     embeddings: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Hold `req`'s images' embeddings for the runner while it lives (a preempted request computes its prompt
-        again): InvalidRequestError unless there is one per placeholder run, each fitting its run."""
+        again): InvalidRequestError unless there is one per placeholder run, each fitting its run. Whether it
+        took any."""
         if images and embeddings:
             raise InvalidRequestError("a request's images come as pixels or as embeddings, not both")
         if (images or embeddings) and self._live(req.request_id):
@@ -320,7 +322,7 @@ class EngineCore:
         if [bytes.fromhex(d) for d in digests] != [span.digest for span in req.image_spans]:
             raise InvalidRequestError(f"{len(req.image_spans)} image placeholder runs, {len(digests)} images")
         if not digests:
-            return
+            return False
         if images:
             found = self._encode(req.request_id, list(images))
         else:
@@ -329,6 +331,7 @@ class EngineCore:
             self._drop_images(req.request_id)
             raise InvalidRequestError("an image's embeddings do not fit its placeholders")
         self.runner.image_embeddings[req.request_id] = [(span.start, e) for span, e in zip(req.image_spans, found)]
+        return True
 
     def _received(self, req: Request, embeddings: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """An encoder worker's embeddings, checked against this model and the placeholders first (a cached entry
@@ -495,13 +498,14 @@ class EngineCore:
         self.save_to_store()  # the reservation may evict a block still to be saved
         if req.sampling_params.structured_output is not None:
             self.grammars.compile(req.sampling_params.structured_output)  # ready, most likely, by the first decode
-        self._take_images(req, (), embeddings)
+        took = self._take_images(req, (), embeddings)
         try:
             reserved = self.handoff.reserve(req, deadline_s)
         except Exception:
-            self._drop_images(req.request_id)
+            if took:
+                self._drop_images(req.request_id)
             raise
-        if reserved is None:
+        if reserved is None and took:
             self._drop_images(req.request_id)
         return reserved
 
