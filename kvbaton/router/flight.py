@@ -46,7 +46,8 @@ class Flight:
     images: tuple[ImagePixels, ...] = ()  # those whose placeholders the prompt holds (each attempt sends them)
     image_spans: tuple[ImageSpan, ...] = ()  # where their placeholders are (the prefix-aware policy hashes them)
     encoder: str | None = None  # the encoder worker encoding them now
-    # their embeddings, once an encoder worker sent them: every later attempt sends these instead of the pixels
+    # their embeddings, once an encoder worker sent them, until the prompt is computed: the attempt sends these
+    # instead of the pixels (a later attempt has them encoded again)
     embeddings: tuple[ImageEmbedding, ...] = ()
 
     def resume_costs(self, num_cached_tokens: int) -> tuple[int, int]:

@@ -244,7 +244,7 @@ class Router:
     async def _dispatch(self, flight: Flight) -> None:
         """Start the flight's current attempt: its images to an encoder worker first (E/P/D) unless encoded
         already; then disaggregated if it pays, else locally on a decode worker."""
-        if flight.images and not flight.embeddings:
+        if flight.images and not flight.embeddings:  # (none yet, or let go of once the prompt was computed)
             encoders = self.pool.routable(WorkerRole.ENCODE)
             if encoders:
                 await self._encode(flight, encoders)
@@ -476,6 +476,10 @@ class Router:
                                 finish_reason=None if handed_off else output.finish_reason)
         flight.tokens.extend(output.new_token_ids)
         flight.last_progress = time.monotonic()
+        # NOTE: its prompt is computed: the workers hold the embeddings now. The frontend lets go of them (the
+        # requests in flight would hold ~MBs each for a large model), and an attempt after a failure encodes its
+        # images again (or finds them in the encoder caches)
+        flight.embeddings = ()
         out, stop_string = self.outputs.process(client_output)
         flight.finished = out.finished
         # NOTE: to the client first: `flight.tokens` (what a re-dispatch continues from) and the
