@@ -184,8 +184,9 @@ class Router:
             raise EngineDeadError(self.dead_reason or "no decode worker is running")
         self.validate(token_ids, params, priority)
         spans = image_spans(self.info.vision, token_ids, [im.digest for im in images])
-        if images:
-            self._check_encode_queue(len(images))
+        refusal = self.encode_refusal(len(images)) if images else None
+        if refusal is not None:
+            raise EngineOverloadedError(refusal)
         flight = Flight(request_id=request_id, prompt_token_ids=token_ids, params=params, priority=priority,
                         queue=asyncio.Queue(), images=tuple(images), image_spans=spans)
         self.flights[request_id] = flight
@@ -228,18 +229,21 @@ class Router:
 
     # ---- dispatch --------------------------------------------------------------------------
 
-    def _check_encode_queue(self, num_images: int) -> None:
-        """E/P/D admission: EngineOverloadedError (a 503) if these images would pass the encoder pool's queue bound
-        (`PoolConfig.encode_queue` images per encoder worker). A burst is refused, never silently dropped."""
+    def encode_refusal(self, num_images: int) -> str | None:
+        """E/P/D admission: why `num_images` more images cannot wait for the encoder pool now (past
+        `PoolConfig.encode_queue` images per encoder worker), None if they can. A refusal counts as demand (the
+        autoscaler's `encode_refused_images`). The server asks before a response starts (a stream's 503);
+        `generate` asks again, and raises: a burst is refused, never silently dropped."""
         encoders = self.pool.routable(WorkerRole.ENCODE)
         if not encoders:
-            return  # --encode 0, or none left: the language workers encode (their admission is the server's)
+            return None  # --encode 0, or none left: the language workers encode (their admission is the server's)
         bound = self.pool.config.encode_queue * len(encoders)
         queued = sum(len(f.images) for f in self.flights.values() if f.phase == Phase.ENCODING)
-        if queued + num_images > bound:
-            self.counters["encode_refused_images"] += num_images  # demand the autoscaler counts too
-            raise EngineOverloadedError(f"the encoder pool's queue is full ({queued} images waiting, at most {bound} "
-                                        f"for {len(encoders)} encoder worker(s)); retry later")
+        if queued + num_images <= bound:
+            return None
+        self.counters["encode_refused_images"] += num_images
+        return (f"the encoder pool's queue is full ({queued} images waiting, at most {bound} for {len(encoders)} "
+                "encoder worker(s)); retry later")
 
     async def _dispatch(self, flight: Flight) -> None:
         """Start the flight's current attempt: its images to an encoder worker first (E/P/D) unless encoded

@@ -163,6 +163,13 @@ class OpenAIServer:
             echo = [text if text is not None else await self.prompts.decode(ids) for text, ids in prompts]
         request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:20]}"
         choices = list(request_choices(request_id, prompts, params))
+        # NOTE: before the response starts: a stream refused later could only say so in an error event
+        refusal = self.client.encode_refusal(len(images) * len(choices)) if images else None
+        if refusal is not None:
+            self.metrics.rejected.labels(self.settings.served_model_name).inc()
+            hold.release()
+            return HttpError(503, refusal, "ServiceUnavailableError").response(
+                headers={"Retry-After": str(self.settings.retry_after_s)})
         for i, choice in enumerate(choices):
             refusal = self.admission.try_admit(choice.request_id, len(choice.token_ids))
             if refusal is not None:

@@ -56,6 +56,11 @@ class RequestClient(Protocol):
 
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None: ...
 
+    def encode_refusal(self, num_images: int) -> str | None:
+        """Why `num_images` more images cannot be queued for encoding now (an encoder pool at its bound: a 503),
+        None if they can. Asked before a response starts; `generate` enforces the bound again."""
+        ...
+
     def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                  priority: int = 0, images: Sequence[ImagePixels] = ()) -> AsyncGenerator[RequestOutput, None]: ...
 

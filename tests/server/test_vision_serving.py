@@ -187,11 +187,12 @@ def test_a_burst_of_image_requests_is_served_or_refused_clearly_and_none_is_lost
 
 
 def test_an_encoder_worker_killed_with_requests_in_flight_loses_none_of_them(vision_server):
-    """SIGKILL the encoder worker while image chats wait for it (stopped first, so that all of them do): each
-    completes with transformers' tokens (its images encoded by the decode worker while no encoder worker is up).
+    """SIGKILL the encoder worker while image chats wait for it (stopped first, so that all of them do; their
+    images fill its queue, so one more, streamed, gets a 503 before its stream starts): each completes with
+    transformers' tokens (its images encoded by the decode worker while no encoder worker is up).
     Last in this module: its encoder worker is being replaced (supervision: `tests/router/test_supervision.py`)."""
     model, server = vision_server
-    pictures = [picture(300 + i) for i in range(8)]  # new to every cache: each must be encoded
+    pictures = [picture(300 + i) for i in range(ENCODE_QUEUE)]  # new to every cache: each must be encoded
     texts = [f"t{20 + i} t319 t{40 + i}" for i in range(len(pictures))]
     refs = hf_llava_greedy(model, [(token_ids(t), [p]) for t, p in zip(texts, pictures)], MAX_NEW)
     pid = workers(server.base)["kvbaton-encode-0"]["pid"]
@@ -214,6 +215,12 @@ def test_an_encoder_worker_killed_with_requests_in_flight_loses_none_of_them(vis
                     return any(w["name"] == "kvbaton-encode-0" and w["in_flight"] == len(pictures) for w in view)
 
                 await async_wait_until(all_sent, 30, interval_s=0.01, message="the chats did not reach the encoder")
+                # its queue is at its bound now: a streamed chat is refused before its stream starts
+                refused = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": [image_part(data_url(picture(299)))]}],
+                    "max_tokens": 2, "stream": True})
+                assert refused.status_code == 503 and "Retry-After" in refused.headers, refused.text
+                assert "encoder pool's queue is full" in refused.json()["error"]["message"]
             finally:
                 os.kill(pid, signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*chats), 120)
