@@ -55,10 +55,16 @@ END_TO_END = ("tests/server/", "tests/disagg/", "tests/faults/", "tests/cluster/
               "tests/test_chat_client.py")
 
 
+# Modules under those folders that start nothing (policies, schemas, parsers over real objects, in process): any
+# worker takes them, off the end-to-end unit (the suite's critical path)
+IN_PROCESS = ("tests/cluster/test_autoscale.py", "tests/server/test_admission_control.py",
+              "tests/server/test_chat_encoding.py", "tests/server/test_output_budget.py")
+
+
 def work_unit(nodeid: str) -> str:
     """What one xdist worker runs whole: every end-to-end test together, else the test's module."""
     module = nodeid.split("::")[0]
-    return "end-to-end" if module.startswith(END_TO_END) else module
+    return "end-to-end" if module.startswith(END_TO_END) and module not in IN_PROCESS else module
 
 
 # The modules whose in-process engines hold the default model (the budget report's "raised by"): each peaks ~1 GiB

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.conftest import END_TO_END, MEMORY_HEAVY, work_unit
+from tests.conftest import END_TO_END, IN_PROCESS, MEMORY_HEAVY, work_unit
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_scheduled_path_exists():
-    assert [p for p in END_TO_END + MEMORY_HEAVY if not (ROOT / p).exists()] == []
+    assert [p for p in END_TO_END + MEMORY_HEAVY + IN_PROCESS if not (ROOT / p).exists()] == []
+
+
+def test_the_in_process_modules_start_nothing():
+    """Taken off the end-to-end unit, they must not start a server, a router's workers or a process."""
+    starts = ("tests.support.server", "tests.support.pd", "subprocess", "Popen", "served(", "deploy(")
+    assert [p for p in IN_PROCESS if any(s in (ROOT / p).read_text() for s in starts)] == []
 
 
 def test_every_module_that_starts_a_server_runs_with_the_end_to_end_set():
