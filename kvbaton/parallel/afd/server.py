@@ -256,7 +256,7 @@ class ExpertServer:
                            local=self._local.name if self._local is not None else "")
 
     def _place(self, msg: PlaceExperts) -> Placing:
-        known = self.shard.holds(msg.epoch) or self.shard.loading == msg.epoch
+        known = self.shard.holds(msg.epoch) or msg.epoch in (self.shard.loading, self.shard.next_epoch)
         try:
             self.shard.place(msg.epoch, msg.placement)
         except PlacementRefused as exc:

@@ -98,6 +98,9 @@ class ExpertShard:
         self.counts = torch.zeros(len(self.moe_layers), self.num_experts, dtype=torch.int64)  # rows per expert
         self._row_of = {layer: i for i, layer in enumerate(self.moe_layers)}
         self._loading: tuple[int, threading.Thread] | None = None
+        # a newer placement handed while another loads: it loads next (a replacement told the placement in use
+        # while catching up on an older one must not refuse it: the dispatch after it would fail its step)
+        self._next: tuple[int, list[list[int]]] | None = None
         self._load_began = 0.0
         self._loaded: Placed | BaseException | None = None  # the loader's result, installed by `settle`
         self.rows_computed = 0
@@ -136,14 +139,26 @@ class ExpertShard:
     # ---- placements (EPLB) ---------------------------------------------------------------------
 
     def place(self, epoch: int, placement: list[list[int]]) -> None:
-        """Start loading placement `epoch` (a no-op if it is held or loading); PlacementRefused if it is
-        malformed, older than the newest held, or another one is still loading."""
-        if epoch in self.held or (self._loading is not None and self._loading[0] == epoch):
+        """Start loading placement `epoch` (a no-op if it is held, loading or next); while an older one loads, it
+        loads next (a newer one handed meanwhile takes its place). PlacementRefused if it is malformed or older
+        than the newest held, loading or next."""
+        if epoch in self.held or epoch in (self.loading, self.next_epoch):
             return
-        if epoch < self.newest:
-            raise PlacementRefused(f"placement epoch {epoch} is older than the newest held here ({self.newest})")
+        newest = max(self.newest, self.loading or 0, self.next_epoch or 0)
+        if epoch < newest:
+            raise PlacementRefused(f"placement epoch {epoch} is older than the newest here ({newest})")
+        self._own_slots(placement)  # refused now, not when its turn comes
         if self._loading is not None:
-            raise PlacementRefused(f"placement epoch {self._loading[0]} is still loading here")
+            self._next = (epoch, [list(row) for row in placement])
+            return
+        self._start_load(epoch, placement)
+
+    @property
+    def next_epoch(self) -> int | None:
+        """The placement epoch to load once the one loading is in, if any."""
+        return self._next[0] if self._next is not None else None
+
+    def _start_load(self, epoch: int, placement: list[list[int]]) -> None:
         mine = self._own_slots(placement)
         pool = [list(row) for row in placement]
         thread = threading.Thread(target=self._load, args=(epoch, pool, mine, self.held[self.newest]), daemon=True,
@@ -179,8 +194,8 @@ class ExpertShard:
             self._loaded = exc
 
     def wait_loaded(self, epoch: int) -> None:
-        """Block until placement `epoch` is loaded, where it is loading (a dispatch at it came first)."""
-        if self._loading is not None and self._loading[0] == epoch:
+        """Block until placement `epoch` is loaded, where it is loading or next (a dispatch at it came first)."""
+        while self._loading is not None and epoch in (self._loading[0], self.next_epoch):
             self._loading[1].join()
             self.settle()
 
@@ -198,6 +213,10 @@ class ExpertShard:
                             loaded.slots[self.moe_layers[0]])
             else:
                 logger.error("expert worker %d: loading placement epoch %d failed: %s", self.spec.rank, epoch, loaded)
+            if self._next is not None:  # the placement handed while that one loaded
+                (following, placement), self._next = self._next, None
+                if following > self.newest:
+                    self._start_load(following, placement)
         newest = self.held[self.newest]
         now = time.monotonic()
         for epoch in [e for e in self.held if e != self.newest]:
