@@ -346,8 +346,11 @@ class Router:
                                                  embeddings=list(flight.embeddings)))
 
     async def _fall_back(self, flight: Flight, reason: str) -> None:
-        """The transfer path failed: the decode worker prefills this attempt itself."""
-        logger.warning("request %s: %s; prefilling on the decode worker instead", flight.request_id, reason)
+        """The transfer path failed (the decode worker prefills this attempt itself), or its encoder worker did
+        (another encodes its images, or the language worker)."""
+        encoding = flight.phase == Phase.ENCODING
+        then = "encoding its images again" if encoding else "prefilling on the decode worker instead"
+        logger.warning("request %s: %s; %s", flight.request_id, reason, then)
         self.counters["fallbacks"] += 1
         prefill = self.pool.get(flight.prefill)
         if prefill is not None:
