@@ -1,6 +1,7 @@
 """Image embeddings computed elsewhere (an encoder worker's, E/P/D) taken by an engine in the pixels' place: after
 the trip through bytes (`mm/embeddings.py`), the greedy fp32 tokens are transformers', the language engine encodes
-nothing, and embeddings that are not what they claim, or do not fit the model, are refused with nothing left held."""
+nothing, and embeddings that are not what they claim, or do not fit the model, are refused with nothing left held;
+an encoder worker refuses a request whose embeddings would not fit a control frame."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import torch
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.engine.core import EngineCore
+from kvbaton.messages.router_worker import ImageEmbedding
 from kvbaton.mm.embeddings import EmbeddingBytes, from_bytes, to_bytes
 from kvbaton.mm.images import DecodedImage
 from kvbaton.mm.vision import load_image_encoder
 from kvbaton.sched.sampling_params import InvalidRequestError
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES
+from kvbaton.worker.roles.encode import MAX_EMBEDDING_BYTES, oversized
 from tests.mm.test_llava_parity import MAX_NEW, PROMPTS
 from tests.support.helpers import build_tiny_llava, hf_llava_greedy
 
@@ -73,3 +77,13 @@ def test_embeddings_that_are_not_what_they_claim_are_refused(llava):
             core.add_request(req, embeddings=embeddings)
     assert core.runner.image_embeddings == {} and core.stats().encoder_cache.entries == 0  # type: ignore[union-attr]
     assert run(core, {"ok": (ids, [(image.digest, good)])}) == refs[:1]  # nothing of them stayed behind
+
+
+def test_embeddings_too_big_for_a_control_frame_are_refused_by_the_encoder_worker():
+    """A request's embeddings go in one control frame (router, then a language worker): past the bound the encoder
+    worker refuses the request (a 400 naming why) rather than send a frame the receiving socket would drop."""
+    one = ImageEmbedding(digest="ab" * 32, dtype="bfloat16", rows=576, cols=4096, data=bytes(576 * 4096 * 2))
+    assert oversized([one] * 6) is None  # six images of a 7B LLaVA: 27 MiB
+    assert MAX_EMBEDDING_BYTES < MAX_CONTROL_FRAME_BYTES
+    why = oversized([one] * 14)  # 63 MiB
+    assert why is not None and "63.0 MiB, over the 60.0 MiB" in why and "send fewer images" in why

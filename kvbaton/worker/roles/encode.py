@@ -36,10 +36,23 @@ from kvbaton.mm.images import DecodedImage
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.startup import StartupClock
 from kvbaton.sched.info import EngineStats
+from kvbaton.wire import MAX_CONTROL_FRAME_BYTES
 from kvbaton.worker.roles.base import Handler, Role, WorkerContext
 
 logger = logging.getLogger("kvbaton.worker")
 IDLE_POLL_MS = 500  # nothing queued: wake up now and then (to notice a dead launcher)
+# a request's embeddings travel in one control frame, to the router and on to a language worker with the prompt:
+# beyond this they would not fit (the receiving socket drops an oversized frame), so the request is refused
+MAX_EMBEDDING_BYTES = MAX_CONTROL_FRAME_BYTES - 4 * 2**20
+
+
+def oversized(embeddings: list[ImageEmbedding], limit: int = MAX_EMBEDDING_BYTES) -> str | None:
+    """Why a request's embeddings cannot travel (over `limit` bytes in all), None if they can."""
+    size = sum(len(e.data) for e in embeddings)
+    if size <= limit:
+        return None
+    return (f"the images' embeddings take {size / 2**20:.1f} MiB, over the {limit / 2**20:.1f} MiB a request may "
+            "carry: send fewer images")
 
 
 class EncodeRole(Role):
@@ -74,6 +87,11 @@ class EncodeRole(Role):
         except (ValueError, RuntimeError, OSError) as exc:  # what the processor or the tower raise on an image
             logger.warning("refused the images of %s: %s", msg.request_id, exc)
             worker.send(RequestFailed(worker.name, msg.request_id, f"the image encoder refused an image: {exc}"))
+            worker.report_load()
+            return
+        refusal = oversized(embeddings)
+        if refusal is not None:
+            worker.send(RequestFailed(worker.name, msg.request_id, refusal))
         else:
             worker.send(ImagesEncoded(name=worker.name, request_id=msg.request_id, embeddings=embeddings))
         worker.report_load()
