@@ -151,12 +151,14 @@ def test_after_the_hostile_table_a_valid_request_is_answered_and_the_server_idle
 
 
 def test_hostile_table_against_pd_serving_harms_no_worker(default_model_dir):
-    """The same table against `--prefill 1 --decode 1` (every prompt through the prefill worker):
+    """Every other row of the table against `--prefill 1 --decode 1` (every prompt through the prefill worker):
     every request a 4xx, no worker lost or replaced, and a valid request answered after."""
     with kvbaton_server("--dtype", "float32", "--max-model-len", "1024", "--prefill", "1", "--decode", "1",
                         "--local-prefill-threshold", "0") as (base, _):
         pids = {w["name"]: w["pid"] for w in httpx.get(f"{base}/workers", timeout=10).json()["workers"]}
-        for path, body, param in HOSTILE:
+        # NOTE: every other row (the colocated table sends them all): each is refused by the frontend or the router
+        # before any worker sees it, the same code colocated; what PD adds is that no worker is harmed
+        for path, body, param in HOSTILE[::2]:
             r = _post(base, path, body)
             assert 400 <= r.status_code < 500 and r.json()["error"]["param"] == param, r.text[:500]
         # NOTE: no big bodies here: the frontend refuses them before any worker (the colocated table sends them)
