@@ -32,7 +32,7 @@ from kvbaton.cluster.autoscale_policy import (
     prefill_verdict,
 )
 from kvbaton.cluster.autoscale_threshold import ThresholdDecision, threshold_decision
-from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample, images_encoding
+from kvbaton.cluster.autoscale_window import FlightWatch, LoadWindow, PoolSample
 from kvbaton.messages.worker_spec import WorkerRole
 from kvbaton.router.router import Router
 from kvbaton.router.supervision import SlotState
@@ -110,7 +110,8 @@ class Autoscaler:
         encode = [w for w in workers if w.role == WorkerRole.ENCODE] if Pool.ENCODE in self.pools else None
         arrived, prefilled, images = self._flights.scan(self.router.flights)
         sample = PoolSample.of(now, decode, prefill if Pool.PREFILL in self.pools else None, encode,
-                               images_encoding(self.router.flights), self.router.counters["encode_refused_images"])
+                               sum(self.router.images_encoding().values()),
+                               self.router.counters["encode_refused_images"])
         self.window.add_sample(sample, arrived, prefilled, images if encode is not None else 0)
 
     def _state(self, pool: Pool, now: float) -> PoolState:

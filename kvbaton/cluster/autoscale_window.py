@@ -17,7 +17,7 @@ from kvbaton.cluster.autoscale_policy import (
     PoolLoad,
     feasible_batch,
 )
-from kvbaton.router.flight import Flight, Phase
+from kvbaton.router.flight import Flight
 from kvbaton.router.worker_pool import WorkerHandle
 from kvbaton.sched.info import DecodeStepTimes
 from kvbaton.text.request_output import RequestOutput
@@ -93,10 +93,6 @@ class FlightWatch:
         self._seen = set(flights)
         return arrived, prefilled, images
 
-
-def images_encoding(flights: Mapping[str, Flight]) -> int:
-    """Images waiting or encoding at the encoder pool now (what admission bounds)."""
-    return sum(len(f.images) for f in flights.values() if f.phase == Phase.ENCODING)
 
 
 def p99(values: Sequence[float]) -> float | None:

@@ -238,12 +238,20 @@ class Router:
         if not encoders:
             return None  # --encode 0, or none left: the language workers encode (their admission is the server's)
         bound = self.pool.config.encode_queue * len(encoders)
-        queued = sum(len(f.images) for f in self.flights.values() if f.phase == Phase.ENCODING)
+        queued = sum(self.images_encoding().values())
         if queued + num_images <= bound:
             return None
         self.counters["encode_refused_images"] += num_images
         return (f"the encoder pool's queue is full ({queued} images waiting, at most {bound} for {len(encoders)} "
                 "encoder worker(s)); retry later")
+
+    def images_encoding(self) -> dict[str, int]:
+        """Per encoder worker, the images of the requests it encodes now or has queued (what admission bounds)."""
+        queued: dict[str, int] = {}
+        for f in self.flights.values():
+            if f.phase == Phase.ENCODING and f.encoder is not None:
+                queued[f.encoder] = queued.get(f.encoder, 0) + len(f.images)
+        return queued
 
     async def _dispatch(self, flight: Flight) -> None:
         """Start the flight's current attempt: its images to an encoder worker first (E/P/D) unless encoded
@@ -293,12 +301,9 @@ class Router:
         """Send the flight's images to the encoder worker with the fewest queued, among those the one that
         encoded most of them already (its encoder cache holds them) when queues are equal."""
         digests = [im.digest for im in flight.images]
-        queued = {w.name: 0 for w in encoders}
-        for f in self.flights.values():
-            if f.phase == Phase.ENCODING and f.encoder in queued:
-                queued[f.encoder] += len(f.images)
-        encoder = min(encoders, key=lambda w: (queued[w.name], -sum(self._encoded_at.get(d) == w.name
-                                                                     for d in digests)))
+        queued = self.images_encoding()
+        encoder = min(encoders, key=lambda w: (queued.get(w.name, 0), -sum(self._encoded_at.get(d) == w.name
+                                                                            for d in digests)))
         flight.encoder, flight.phase = encoder.name, Phase.ENCODING
         encoder.attempts.add(flight.attempt_id)
         await self.pool.send(encoder, EncodeImages(request_id=flight.attempt_id, images=list(flight.images)))
