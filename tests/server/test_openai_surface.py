@@ -56,6 +56,11 @@ def base(request, default_server):
     return default_server if request.param == "colocated" else request.getfixturevalue("pd_server")
 
 
+# For what the frontend alone does (the fan-out of n and of prompt batches, templates, the tool parser, the logits
+# processors' arguments): the split adds nothing there that the structured-output cases do not cover already.
+colocated_only = pytest.mark.parametrize("base", ["colocated"], indirect=True)
+
+
 @pytest.fixture
 def client(base) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -155,6 +160,7 @@ def test_forced_tool_calls_whole_and_streamed(client, tool_choice) -> None:
         [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
 
 
+@colocated_only
 def test_tool_history_is_rendered_and_answered(client) -> None:
     history = ASK + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
@@ -167,6 +173,7 @@ def test_tool_history_is_rendered_and_answered(client) -> None:
     assert not out.choices[0].message.tool_calls
 
 
+@colocated_only
 def test_auto_tool_calls_parsed_from_the_models_text(client) -> None:
     # the model is shown one call of the convention (the Hermes fallback its template gets) and asked again:
     # a 135M model copies the pattern, and the parser must turn its <tool_call> text into tool_calls
@@ -188,6 +195,7 @@ def test_auto_tool_calls_parsed_from_the_models_text(client) -> None:
         assert "<tool_call>" not in (choice.message.content or ""), choice.message.content
 
 
+@colocated_only
 def test_n_prompt_batches_echo_and_stop_reason(client) -> None:
     prompts = ["The capital of France is", "One, two, three,"]
     batch = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2)
@@ -210,6 +218,7 @@ def test_n_prompt_batches_echo_and_stop_reason(client) -> None:
     assert stopped.choices[0].model_extra.get("stop_reason") == stop
 
 
+@colocated_only
 def test_penalties_min_p_and_logit_bias(client) -> None:
     prompt = "Repeat after me: apple apple apple apple"
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=1)
