@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = {
@@ -22,9 +22,10 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1 and Kimi-K2 checkpoints name this class
     "LlavaForConditionalGeneration": "llama",  # its text model's family (`_VISION_TEXT_MODELS`) decides
+    "Idefics3ForConditionalGeneration": "llama",  # SmolVLM (and Idefics3): the same
 }
 # the vision-language architectures: which encoder (`mm/`) turns their images into the text model's embeddings
-VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Idefics3ForConditionalGeneration": "idefics3"}
 _VISION_TEXT_MODELS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # text_config's
 _QWEN_LIKE = ("qwen2", "qwen2_moe")  # q/k/v projections carry a bias
 _PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
@@ -109,13 +110,29 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TileGrid:
+    """The image processor's settings that decide how many tiles an image is cut into (Idefics3 / SmolVLM): the
+    image is resized so that its longest edge is `longest_edge` (None: not resized), then, when `split`, to
+    whole multiples of `tile` and cut into those tiles, the global image (the whole, at `tile`) last."""
+
+    longest_edge: int | None
+    tile: int
+    split: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class VisionSpec:
     """What the text model of a vision-language checkpoint needs to know of its images: each image stands in the
-    prompt as `tokens_per_image` copies of `image_token_id`, whose embeddings the encoder supplies."""
+    prompt as runs of `tokens_per_image` copies of `image_token_id`, whose embeddings the encoder supplies. One
+    run per image (LLaVA), or with `tiles`, one per tile and one for the global image, between text tokens
+    (Idefics3: `<fake_token_around_image><row_1_col_1>`, newlines), the global image's run after
+    `global_image_token_id`."""
 
     encoder: str  # a value of VISION_ARCHITECTURES
     image_token_id: int
-    tokens_per_image: int
+    tokens_per_image: int  # per run: per tile with `tiles`
+    tiles: TileGrid | None = None
+    global_image_token_id: int | None = None  # with `tiles`: the token before an image's last run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,9 +231,12 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"no config.json in model directory {model_dir}")
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()))
+            config = cls.from_hf_dict(json.loads(path.read_text()))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: missing or invalid field {exc}") from exc
+        if config.vision is not None and config.vision.encoder == "idefics3":
+            config = replace(config, vision=_with_tiles(config.vision, Path(model_dir)))
+        return config
 
 
 def _parse_vision(arch_names: list[str], hf: dict) -> VisionSpec | None:
@@ -225,12 +245,46 @@ def _parse_vision(arch_names: list[str], hf: dict) -> VisionSpec | None:
         return None
     vision = hf["vision_config"]
     patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
-    # LLaVA's "default" strategy drops the CLS position; "full" keeps it
-    tokens = patches + (hf.get("vision_feature_select_strategy", "default") == "full")
+    if encoder == "idefics3":  # the connector folds scale x scale patches into one token
+        tokens = patches // int(hf.get("scale_factor", 2)) ** 2
+    else:  # LLaVA's "default" strategy drops the CLS position; "full" keeps it
+        tokens = patches + (hf.get("vision_feature_select_strategy", "default") == "full")
     image_token = hf.get("image_token_id", hf.get("image_token_index"))
     if not isinstance(image_token, int):
         raise ConfigError("a vision-language config needs image_token_id (or image_token_index)")
     return VisionSpec(encoder=encoder, image_token_id=image_token, tokens_per_image=tokens)
+
+
+def image_processor_settings(model_dir: Path) -> dict:
+    """The checkpoint's image processor settings: preprocessor_config.json, or the `image_processor` entry of
+    transformers 5's processor_config.json ({} if neither)."""
+    older = model_dir / "preprocessor_config.json"
+    if older.is_file():
+        return json.loads(older.read_text())
+    newer = model_dir / "processor_config.json"
+    if newer.is_file():
+        settings = json.loads(newer.read_text()).get("image_processor", {})
+        return settings if isinstance(settings, dict) else {}
+    return {}
+
+
+def _with_tiles(vision: VisionSpec, model_dir: Path) -> VisionSpec:
+    """Idefics3's tile grid (from its image processor's settings) and `<global-img>`'s id (from the tokenizer's
+    added tokens): what the prompt's image runs are grouped by."""
+    settings = image_processor_settings(model_dir)
+    try:
+        tile = int(settings.get("max_image_size", {}).get("longest_edge", 364))
+        resize = settings.get("do_resize", True)
+        longest = int(settings["size"]["longest_edge"]) if resize else None
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise ConfigError(f"{model_dir}: the image processor's size needs a longest_edge") from None
+    tokenizer = model_dir / "tokenizer.json"
+    added = json.loads(tokenizer.read_text()).get("added_tokens", []) if tokenizer.is_file() else []
+    global_id = next((t["id"] for t in added if t.get("content") == "<global-img>"), None)
+    if global_id is None:
+        raise ConfigError(f"{model_dir}: the tokenizer has no <global-img> token (an Idefics3 / SmolVLM tokenizer has)")
+    return replace(vision, tiles=TileGrid(longest_edge=longest, tile=tile, split=bool(settings.get(
+        "do_image_splitting", True))), global_image_token_id=int(global_id))
 
 
 def _parse_moe(arch: str, text: dict) -> MoEConfig | None:

@@ -164,7 +164,9 @@ class EngineCore:
                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
                                enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
                                eos_token_ids=eos_token_ids, compute_path=self.compute_plan.summary(),
-                               vision=self.model_config.vision)
+                               vision=self.model_config.vision, embedding_row_bytes=(
+                                   self.model_config.hidden_size * self.dtype.itemsize if self.model_config.vision
+                                   else 0))
         pools = self._allocate_pools(num_blocks, kv_transfer)
         self.store = build_store(config.kv_store, model_dir, pools)
         clock.lap("kv pools")
@@ -327,10 +329,11 @@ class EngineCore:
             found = self._encode(req.request_id, list(images))
         else:
             found = self._received(req, embeddings)
-        if any(e.shape[0] != span.length for e, span in zip(found, req.image_spans)):
+        if any(e.shape[0] != span.rows for e, span in zip(found, req.image_spans)):
             self._drop_images(req.request_id)
             raise InvalidRequestError("an image's embeddings do not fit its placeholders")
-        self.runner.image_embeddings[req.request_id] = [(span.start, e) for span, e in zip(req.image_spans, found)]
+        self.runner.image_embeddings[req.request_id] = [
+            (start, e[row:row + n]) for span, e in zip(req.image_spans, found) for start, row, n in span.placements()]
         return True
 
     def _received(self, req: Request, embeddings: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -344,7 +347,7 @@ class EngineCore:
             if e.dim() != 2 or e.dtype != self.dtype or e.shape[1] != hidden:
                 raise InvalidRequestError(f"image embeddings of {e.dtype} {tuple(e.shape)} do not fit this model "
                                           f"({self.dtype}, hidden size {hidden})")
-            if e.shape[0] != span.length:
+            if e.shape[0] != span.rows:
                 raise InvalidRequestError("an image's embeddings do not fit its placeholders")
         cache = self.encoder_cache
         return [cache.keep(req.request_id, digest, e, e.nbytes) for digest, e in embeddings]

@@ -1,23 +1,22 @@
-"""Where a prompt's images stand: each image is `VisionSpec.tokens_per_image` consecutive copies of the image
-token, in the prompt's token ids, one run per image in order. Torch-free: the frontend counts and places them
-as the worker does."""
+"""Where a prompt's images stand: runs of `VisionSpec.tokens_per_image` consecutive copies of the image token in
+the prompt's token ids, one run per image in order (LLaVA), or with a tile grid (Idefics3 / SmolVLM) one per tile
+and one for the global image, text tokens between them. Torch-free: the frontend lays the placeholders out and
+counts them as the workers do."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvbaton.config import VisionSpec
+from kvbaton.mm.tiles import image_prompt, tile_grid
 from kvbaton.sched.request import ImageSpan
 from kvbaton.sched.sampling_params import InvalidRequestError
 
+MAX_GRIDS_KEPT = 64  # tile grids whose placeholder ids are kept (a few per checkpoint in practice)
 
-def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Sequence[str]) -> tuple[ImageSpan, ...]:
-    """The spans of `token_ids`' images, the i-th named by `digests[i]`; InvalidRequestError unless there are
-    exactly as many runs of `tokens_per_image` image tokens as images."""
-    if vision is None:
-        if digests:
-            raise InvalidRequestError("this model does not take images")
-        return ()
+
+def _runs(vision: VisionSpec, token_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of image tokens, a run cut after `tokens_per_image` of them."""
     runs: list[tuple[int, int]] = []
     for i, token in enumerate(token_ids):
         if token != vision.image_token_id:
@@ -26,20 +25,83 @@ def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Se
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1))
-    if len(runs) != len(digests) or any(n != vision.tokens_per_image for _, n in runs):
+    return runs
+
+
+def _by_image(vision: VisionSpec, token_ids: Sequence[int], runs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """The runs grouped by image: each its own, or with tiles, up to the run after `<global-img>` (the global
+    image's, an image's last); runs after the last such are a group that never closed (an error)."""
+    if vision.tiles is None:
+        return [[run] for run in runs]
+    groups: list[list[tuple[int, int]]] = [[]]
+    for start, n in runs:
+        groups[-1].append((start, n))
+        if start > 0 and token_ids[start - 1] == vision.global_image_token_id:
+            groups.append([])
+    return groups if groups[-1] else groups[:-1]
+
+
+def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Sequence[str]) -> tuple[ImageSpan, ...]:
+    """The spans of `token_ids`' images, the i-th named by `digests[i]`; InvalidRequestError unless the image
+    tokens make exactly that many images, each run `tokens_per_image` long."""
+    if vision is None:
+        if digests:
+            raise InvalidRequestError("this model does not take images")
+        return ()
+    runs = _runs(vision, token_ids)
+    groups = _by_image(vision, token_ids, runs)
+    if len(groups) != len(digests) or any(n != vision.tokens_per_image for _, n in runs) or any(
+            vision.tiles is not None and not (g[-1][0] > 0 and token_ids[g[-1][0] - 1] == vision.global_image_token_id)
+            for g in groups):
+        shape = "each image's runs end with the global image's" if vision.tiles is not None else "each image takes"
         raise InvalidRequestError(f"the prompt holds {sum(n for _, n in runs)} image tokens ({vision.image_token_id}) "
-                                  f"for {len(digests)} image(s): each image takes {vision.tokens_per_image} in a row")
-    return tuple(ImageSpan(start, n, bytes.fromhex(d)) for (start, n), d in zip(runs, digests))
+                                  f"for {len(digests)} image(s): {shape} {vision.tokens_per_image} in a row")
+    spans = []
+    for group, digest in zip(groups, digests):
+        start, end = group[0][0], group[-1][0] + group[-1][1]
+        spans.append(ImageSpan(start, end - start, bytes.fromhex(digest), tuple(group) if len(group) > 1 else ()))
+    return tuple(spans)
 
 
-def expand_placeholders(vision: VisionSpec, token_ids: Sequence[int], num_images: int) -> list[int]:
-    """A chat template renders each image as one image token (LLaVA's `<image>`): each becomes the
-    `tokens_per_image` placeholders its embeddings fill. InvalidRequestError unless the prompt holds one image
-    token per image (a client's text cannot add one: the special tokens it types are split into ordinary ones)."""
-    marks = sum(t == vision.image_token_id for t in token_ids)
-    if marks != num_images:
-        raise InvalidRequestError(f"the chat template rendered {marks} image tokens for {num_images} image(s)")
-    out: list[int] = []
-    for t in token_ids:
-        out.extend([t] * vision.tokens_per_image if t == vision.image_token_id else (t,))
-    return out
+class Placeholders:
+    """The token ids that stand for each image of a prompt: `tokens_per_image` image tokens (LLaVA), or the
+    text of the image's tile grid (Idefics3 / SmolVLM: its row and column tags, newlines and runs), tokenized by
+    `encode` (the model's tokenizer, no special tokens added) once per grid."""
+
+    def __init__(self, vision: VisionSpec, encode: Callable[[str], list[int]]) -> None:
+        self.vision, self._encode = vision, encode
+        self._by_grid: dict[tuple[int, int], list[int]] = {}
+
+    @property
+    def need_sizes(self) -> bool:
+        """Whether an image's placeholders depend on its size (its pixels must be decoded, at least its header)."""
+        return self.vision.tiles is not None
+
+    def for_image(self, width: int, height: int) -> list[int]:
+        vision = self.vision
+        if vision.tiles is None:
+            return [vision.image_token_id] * vision.tokens_per_image
+        grid = tile_grid(vision.tiles, width, height)
+        ids = self._by_grid.get(grid)
+        if ids is None:
+            if len(self._by_grid) >= MAX_GRIDS_KEPT:
+                self._by_grid.clear()
+            ids = self._by_grid[grid] = self._encode(image_prompt(*grid, vision.tokens_per_image))
+        return ids
+
+    def expand(self, token_ids: Sequence[int], sizes: Sequence[tuple[int, int]]) -> list[int]:
+        """`token_ids` with each image token (a chat template renders one per image, LLaVA's `<image>`) replaced
+        by the placeholders of the image of that size (width, height), in order. InvalidRequestError unless the
+        prompt holds one image token per image (a client's text cannot add one: the special tokens it types
+        are split into ordinary ones)."""
+        marks = sum(t == self.vision.image_token_id for t in token_ids)
+        if marks != len(sizes):
+            raise InvalidRequestError(f"the chat template rendered {marks} image tokens for {len(sizes)} image(s)")
+        out: list[int] = []
+        images = iter(sizes)
+        for t in token_ids:
+            if t == self.vision.image_token_id:
+                out.extend(self.for_image(*next(images)))
+            else:
+                out.append(t)
+        return out

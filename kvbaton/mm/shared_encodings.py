@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import struct
 from pathlib import Path
 
-from kvbaton.config import KVStoreConfig
+from kvbaton.config import KVStoreConfig, image_processor_settings
 from kvbaton.kv.hashing import HASH_BYTES
 from kvbaton.kv.store.base import KVTier
 from kvbaton.kv.store.factory import store_record_key
@@ -54,8 +55,7 @@ class SharedEncodings:
                                     redis_gb=config.redis_gb / SHARE_OF_TIER,
                                     mooncake_gb=config.mooncake_gb / SHARE_OF_TIER)
         tier = open_tier(name, share, CHUNK_BYTES, store_record_key())
-        processor = Path(model_dir) / "preprocessor_config.json"
-        settings = processor.read_bytes() if processor.is_file() else b""
+        settings = json.dumps(image_processor_settings(Path(model_dir)), sort_keys=True).encode()
         text = b"\x00".join([b"kvbaton-encodings", model_fingerprint(model_dir).encode(),
                              hashlib.sha256(settings).digest(), dtype.encode()])
         logger.info("image embeddings shared through the %s tier", name)

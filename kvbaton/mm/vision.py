@@ -1,7 +1,7 @@
 """A vision-language checkpoint's image encoder, run where the images are encoded (the language worker itself
 today; an encoder worker of E/P/D next): the checkpoint's own image processor, its vision tower and its projector
-into the text model's embedding space. One image becomes `VisionSpec.tokens_per_image` embeddings, which stand
-in for that many placeholder tokens of the prompt.
+into the text model's embedding space. One image becomes the embeddings of its placeholder tokens in the prompt:
+`VisionSpec.tokens_per_image` of them (LLaVA), or that many per tile of its grid (Idefics3 / SmolVLM).
 
 The tower and the projector are transformers' own modules, loaded from the checkpoint's weights: an encoder is
 not what kvbaton makes faster (the text model's steps are), and transformers' modules are the parity oracle.
@@ -10,7 +10,7 @@ not what kvbaton makes faster (the text model's steps are), and transformers' mo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,25 @@ class ImageEncoder(Protocol):
     def encode(self, images: list[DecodedImage]) -> list[torch.Tensor]:
         """Each image's embeddings [tokens_per_image, text hidden size], in the text model's dtype."""
         ...
+
+
+def _load_parts(model_dir: Path, parts: dict[str, torch.nn.Module]) -> None:
+    """Each module of `parts` from the checkpoint's weights under its prefix (after an optional `model.`), all
+    of them or a ConfigError."""
+    weights: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in parts}
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for hf_name in f.keys():
+                name = hf_name.removeprefix("model.")
+                for prefix, into in weights.items():
+                    if name.startswith(prefix):
+                        into[name.removeprefix(prefix)] = f.get_tensor(hf_name)
+    try:
+        for prefix, module in parts.items():
+            module.load_state_dict(weights[prefix], strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(f"{model_dir}: the vision tower's or projector's weights do not fit its config: "
+                          f"{str(exc)[:300]}") from None
 
 
 class LlavaEncoder:
@@ -39,20 +58,7 @@ class LlavaEncoder:
         self.keep_cls = config.vision_feature_select_strategy == "full"
         self.tower = AutoModel.from_config(config.vision_config)
         self.projector = LlavaMultiModalProjector(config)
-        weights: dict[str, dict[str, torch.Tensor]] = {"vision_tower.": {}, "multi_modal_projector.": {}}
-        for file in sorted(Path(model_dir).glob("*.safetensors")):
-            with safe_open(str(file), framework="pt") as f:
-                for hf_name in f.keys():
-                    name = hf_name.removeprefix("model.")
-                    for prefix, into in weights.items():
-                        if name.startswith(prefix):
-                            into[name.removeprefix(prefix)] = f.get_tensor(hf_name)
-        try:
-            self.tower.load_state_dict(weights["vision_tower."], strict=True)
-            self.projector.load_state_dict(weights["multi_modal_projector."], strict=True)
-        except RuntimeError as exc:
-            raise ConfigError(f"{model_dir}: the vision tower's or projector's weights do not fit its config: "
-                              f"{str(exc)[:300]}") from None
+        _load_parts(model_dir, {"vision_tower.": self.tower, "multi_modal_projector.": self.projector})
         self.tower.to(dtype).eval().requires_grad_(False)
         self.projector.to(dtype).eval().requires_grad_(False)
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
@@ -68,6 +74,43 @@ class LlavaEncoder:
         return list(self.projector(features))
 
 
+class Idefics3Encoder:
+    """Idefics3 / SmolVLM: the processor cuts an image into a grid of tiles and adds the whole image (the global
+    image, last), each padded to the tile's size; the SigLIP tower encodes every tile, its padding masked out
+    patch by patch, and the connector folds each scale x scale patches into one token (pixel shuffle) and
+    projects them. The image's embeddings are its tiles', in order: they fill its placeholder runs in the order
+    the prompt holds them (`mm/tiles.py`)."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        from transformers import AutoConfig, AutoImageProcessor
+        from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
+
+        config = AutoConfig.from_pretrained(str(model_dir))
+        self.dtype = dtype
+        self.patch = int(config.vision_config.patch_size)
+        # (typed as a plain module: transformers' decorated `PreTrainedModel.to` confuses mypy)
+        self.tower: torch.nn.Module = cast(torch.nn.Module, Idefics3VisionTransformer(config.vision_config))
+        self.connector = Idefics3Connector(config)
+        _load_parts(model_dir, {"vision_model.": self.tower, "connector.": self.connector})
+        self.tower.to(dtype).eval().requires_grad_(False)
+        self.connector.to(dtype).eval().requires_grad_(False)
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+
+    @torch.inference_mode()
+    def encode(self, images: list[DecodedImage]) -> list[torch.Tensor]:
+        out = []
+        for image in images:  # one at a time: the processor pads a batch's images to the largest grid
+            inputs = self.processor(images=[[image.to_pil()]], return_tensors="pt")
+            pixels = inputs["pixel_values"][0].to(self.dtype)  # [tiles, 3, tile, tile]
+            mask = inputs["pixel_attention_mask"][0].bool() if "pixel_attention_mask" in inputs else torch.ones(
+                pixels.shape[0], *pixels.shape[2:], dtype=torch.bool)  # [tiles, tile, tile]: False where padded
+            patches = mask.unfold(1, self.patch, self.patch).unfold(2, self.patch, self.patch)
+            hidden = self.tower(pixel_values=pixels, patch_attention_mask=patches.any(dim=(-1, -2))).last_hidden_state
+            tokens = self.connector(hidden)  # [tiles, tokens per tile, text hidden size]
+            out.append(tokens.reshape(-1, tokens.shape[-1]))
+        return out
+
+
 def load_image_encoder(model_dir: Path, dtype: torch.dtype) -> ImageEncoder | None:
     """The encoder of a vision-language checkpoint, None for a text-only one."""
     vision = ModelConfig.from_dir(model_dir).vision
@@ -75,4 +118,6 @@ def load_image_encoder(model_dir: Path, dtype: torch.dtype) -> ImageEncoder | No
         return None
     if vision.encoder == "llava":
         return LlavaEncoder(model_dir, dtype)
+    if vision.encoder == "idefics3":
+        return Idefics3Encoder(model_dir, dtype)
     raise ConfigError(f"no image encoder for {vision.encoder!r}")

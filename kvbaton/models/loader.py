@@ -124,18 +124,18 @@ def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set
 
 
 # a vision-language checkpoint's weights that are not its text model's (`mm/` loads them)
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.")
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.")
 
 
 def text_weight_name(hf_name: str) -> str | None:
     """The text model's name for a checkpoint weight (`layers.0.mlp.up_proj.weight`, `lm_head.weight`), None for
     a weight of a vision-language checkpoint's encoder. A vision-language checkpoint nests its text model:
     LLaVA's as `language_model.model.*` and `language_model.lm_head.*`, transformers 5's as
-    `model.language_model.*` beside a top-level `lm_head.*`."""
+    `model.language_model.*` beside a top-level `lm_head.*`; Idefics3's (SmolVLM's) as `model.text_model.*`."""
     name = hf_name.removeprefix("model.")
     if name.startswith(_NOT_TEXT):
         return None
-    return name.removeprefix("language_model.").removeprefix("model.")
+    return name.removeprefix("language_model.").removeprefix("text_model.").removeprefix("model.")
 
 
 def _resolve(name: str, qkv_sizes: list[int]) -> Target:

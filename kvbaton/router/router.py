@@ -49,6 +49,7 @@ from kvbaton.messages.router_worker import (
     WorkerOutputs,
 )
 from kvbaton.messages.worker_spec import WorkerRole
+from kvbaton.mm.embedding_bound import embeddings_refusal
 from kvbaton.mm.placeholders import image_spans
 from kvbaton.router.diagnostics import PoolDiagnostics
 from kvbaton.router.errors import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
@@ -175,6 +176,12 @@ class Router:
 
     def validate(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         validate_request(self.info, token_ids, params, priority)
+        vision = self.info.vision
+        if vision is not None and self.pool.routable(WorkerRole.ENCODE):  # E/P/D: the embeddings will travel
+            rows = sum(t == vision.image_token_id for t in token_ids)
+            refusal = embeddings_refusal(rows * self.info.embedding_row_bytes) if rows else None
+            if refusal is not None:
+                raise InvalidRequestError(refusal, "messages")
 
     async def generate(self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams,
                        priority: int = 0, images: Sequence[ImagePixels] = ()) -> AsyncGenerator[RequestOutput, None]:

@@ -27,6 +27,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     compute_path: str = ""  # the engine's ComputePlan, one line (kvbaton.platform.compute)
     vision: VisionSpec | None = None  # a vision-language model's image placeholders (None: it takes no images)
+    embedding_row_bytes: int = 0  # with `vision`: the bytes of one placeholder's embedding (hidden size x dtype)
 
 
 @dataclass(frozen=True, kw_only=True)

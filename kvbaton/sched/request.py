@@ -31,13 +31,32 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class ImageSpan:
-    """An image in a prompt: `length` placeholder tokens from position `start`, whose embeddings the image
-    encoder supplies; `digest` (its decoded pixels' hash) tells it from any other image in the KV blocks'
-    content hashes, since its placeholder tokens are the same for every image."""
+    """An image in a prompt: `length` positions from `start`, its placeholder tokens, whose embeddings the image
+    encoder supplies (in order), and with `runs`, the text tokens between its runs too; `digest` (its decoded
+    pixels' hash) tells it from any other image in the KV blocks' content hashes, since its placeholder tokens
+    are the same for every image."""
 
     start: int
     length: int
     digest: bytes
+    runs: tuple[tuple[int, int], ...] = ()  # (start, length) of each placeholder run when there are several
+
+    @property
+    def placeholder_runs(self) -> tuple[tuple[int, int], ...]:
+        return self.runs or ((self.start, self.length),)
+
+    @property
+    def rows(self) -> int:
+        """How many embeddings the image's placeholders take."""
+        return sum(n for _, n in self.placeholder_runs)
+
+    def placements(self) -> list[tuple[int, int, int]]:
+        """(position, first embedding row, rows) of each run: the image's embeddings fill its runs in order."""
+        out, row = [], 0
+        for start, n in self.placeholder_runs:
+            out.append((start, row, n))
+            row += n
+        return out
 
 
 def digests_between(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:

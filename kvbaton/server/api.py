@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvbaton.config import ConfigError
 from kvbaton.messages.router_worker import ImagePixels
 from kvbaton.mm.images import DecodedImage, ImageDecoder, ImageHold, ImageRefused
-from kvbaton.mm.placeholders import expand_placeholders
+from kvbaton.mm.placeholders import Placeholders
 from kvbaton.router.errors import EngineError
 from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
 from kvbaton.server.admin import add_worker_routes
@@ -68,6 +69,9 @@ class OpenAIServer:
         self.admission = AdmissionController(settings.admission, client.info.num_blocks * client.info.block_size)
         self.prompts = PromptEncoder(client.tokenizer, client.info.max_model_len)
         self.images = ImageDecoder(settings.images)
+        vision = client.info.vision
+        self.placeholders = None if vision is None else Placeholders(
+            vision, partial(client.tokenizer.encode, add_special_tokens=False))
         self.kv_sessions = KVSessions(client, self.prompts, settings.kv_session_secret)
         self.tool_schemas = ToolSchemaCheck()
         self.grammars = GrammarCheck(client.tokenizer, client.info.vocab_size, client.info.eos_token_ids)
@@ -150,7 +154,7 @@ class OpenAIServer:
             images = await self._images(req.image_urls(), hold)  # before the template: the cheaper refusals first
             prompts = [await self.prompts.chat(rendered.messages, tools=rendered.tools)]
             if images:
-                prompts = [(text, self._with_placeholders(ids, len(images))) for text, ids in prompts]
+                prompts = [(text, self._with_placeholders(ids, images)) for text, ids in prompts]
         for _, token_ids in prompts:
             try:
                 self.client.validate(token_ids, dataclasses.replace(params, n=1), req.priority)
@@ -216,11 +220,10 @@ class OpenAIServer:
             error = "ServiceUnavailableError" if exc.status == 503 else "BadRequestError"
             raise ApiError(exc.status, f"messages: {exc}", error, "messages") from None
 
-    def _with_placeholders(self, token_ids: list[int], num_images: int) -> list[int]:
-        vision = self.client.info.vision
-        assert vision is not None, "checked by _images"
+    def _with_placeholders(self, token_ids: list[int], images: list[DecodedImage]) -> list[int]:
+        assert self.placeholders is not None, "checked by _images"
         try:
-            return expand_placeholders(vision, token_ids, num_images)
+            return self.placeholders.expand(token_ids, [(im.width, im.height) for im in images])
         except InvalidRequestError as exc:
             raise ApiError(400, str(exc), "BadRequestError", "messages") from None
 
@@ -374,7 +377,8 @@ def build_app(client: EngineClient, settings: ServerSettings) -> FastAPI:
     add_worker_routes(app, client, settings.max_workers)
     add_diagnostic_routes(app, client)
     add_kv_session_routes(app, server.kv_sessions)
-    add_tokenize_routes(app, Tokenization(server.prompts, server.check_model, client.info.vision), settings.api_key)
+    add_tokenize_routes(app, Tokenization(server.prompts, server.check_model, server.placeholders, server.images),
+                        settings.api_key)
     return app
 
 

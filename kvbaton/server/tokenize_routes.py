@@ -20,8 +20,8 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from kvbaton import __version__
-from kvbaton.config import VisionSpec
-from kvbaton.mm.placeholders import expand_placeholders
+from kvbaton.mm.images import ImageDecoder, ImageHold, ImageRefused
+from kvbaton.mm.placeholders import Placeholders
 from kvbaton.sched.sampling_params import InvalidRequestError
 from kvbaton.server.errors import ApiError
 from kvbaton.server.guards import bearer_matches
@@ -61,7 +61,8 @@ class Tokenization:
 
     prompts: PromptEncoder
     check_model: Callable[[str | None], None]
-    vision: VisionSpec | None = None  # a vision-language model's image placeholders
+    placeholders: Placeholders | None = None  # a vision-language model's image placeholders
+    images: ImageDecoder | None = None  # for placeholders that depend on an image's size (a tile grid)
 
     async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -70,16 +71,17 @@ class Tokenization:
                            "BadRequestError", "messages" if req.messages is not None else "prompt")
         if req.messages is not None:
             param = "messages"
-            # NOTE: an image counts as the placeholders it will take (LLaVA's do not depend on its pixels, so
-            # none is decoded here)
-            images = sum(len(m.image_urls) for m in req.messages)
-            if images and self.vision is None:
+            # NOTE: an image counts as the placeholders it will take: LLaVA's do not depend on its pixels (none
+            # is decoded), a tile grid's on its size (decoded as a generation request's, in the same bounds)
+            urls = [url for m in req.messages for url in m.image_urls]
+            if urls and self.placeholders is None:
                 raise ApiError(400, "this model does not take images", "BadRequestError", "messages")
+            sizes = await self._sizes(urls)
             messages = [{"role": m["role"], "content": m["content"]} for m in plain_messages(req.messages)]
             _, ids = await self.prompts.chat(messages, req.add_generation_prompt, req.add_special_tokens)
-            if images and self.vision is not None:
+            if urls and self.placeholders is not None:
                 try:
-                    ids = expand_placeholders(self.vision, ids, images)
+                    ids = self.placeholders.expand(ids, sizes)
                 except InvalidRequestError as exc:
                     raise ApiError(400, str(exc), "BadRequestError", "messages") from None
         else:
@@ -90,6 +92,20 @@ class Tokenization:
             raise ApiError(400, f"{param} has {len(ids)} tokens, more than the model's context length of {limit}",
                            "BadRequestError", param)
         return {"count": len(ids), "max_model_len": limit, "tokens": ids}
+
+    async def _sizes(self, urls: list[str]) -> list[tuple[int, int]]:
+        """Each image's (width, height) where its placeholders depend on it, else (0, 0)s."""
+        if not urls or self.placeholders is None or not self.placeholders.need_sizes or self.images is None:
+            return [(0, 0)] * len(urls)
+        hold = ImageHold(self.images)
+        try:
+            decoded = await self.images.decode_all(urls, hold)
+        except ImageRefused as exc:
+            error = "ServiceUnavailableError" if exc.status == 503 else "BadRequestError"
+            raise ApiError(exc.status, f"messages: {exc}", error, "messages") from None
+        finally:
+            hold.release()
+        return [(im.width, im.height) for im in decoded]
 
     async def detokenize(self, req: DetokenizeRequest) -> dict[str, str]:
         self.check_model(req.model)

@@ -11,12 +11,13 @@ import torch
 from kvbaton import LLM, SamplingParams
 from kvbaton.engine.core import EngineCore
 from kvbaton.messages.router_worker import ImageEmbedding
+from kvbaton.mm.embedding_bound import MAX_EMBEDDING_BYTES
 from kvbaton.mm.embeddings import EmbeddingBytes, from_bytes, to_bytes
 from kvbaton.mm.images import DecodedImage
 from kvbaton.mm.vision import load_image_encoder
 from kvbaton.sched.sampling_params import InvalidRequestError
 from kvbaton.wire import MAX_CONTROL_FRAME_BYTES
-from kvbaton.worker.roles.encode import MAX_EMBEDDING_BYTES, oversized
+from kvbaton.worker.roles.encode import oversized
 from tests.mm.test_llava_parity import MAX_NEW, PROMPTS
 from tests.support.helpers import build_tiny_llava, hf_llava_greedy
 

@@ -250,3 +250,70 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
     del model
     release_memory()
     return outs
+
+
+IDEFICS3_TILE = 32  # pixels of a tile's edge: 4 x 4 patches of 8, pixel-shuffled by 2 into 4 image tokens
+IDEFICS3_TOKENS_PER_TILE = 4
+# SmolVLM's template, shortened: each image part as "<image>", which the processor expands by the tile grid
+IDEFICS3_CHAT_TEMPLATE = (
+    "<|im_start|>{% for m in messages %}{{ m['role'] | capitalize }}:{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
+    "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}")
+
+
+def build_tiny_idefics3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random-weight SmolVLM (Idefics3: a 2-layer SigLIP tower of 32-pixel tiles, the pixel-shuffle connector,
+    a tiny Llama) saved as HuggingFaceTB's checkpoints are: config, weights, the default model's tokenizer with
+    SmolVLM's image tokens added, and the processor (tiles of 32 pixels, images resized to 96 at most: grids
+    up to 3 x 3 and the global image)."""
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessor,
+        Idefics3Processor,
+        LlamaConfig,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+        *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]]})
+    tokenizer.chat_template = IDEFICS3_CHAT_TEMPLATE
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                       tie_word_embeddings=False, rms_norm_eps=1e-5)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=IDEFICS3_TILE, patch_size=8, initializer_range=0.2)
+    cfg = Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=image_token,
+                         scale_factor=2, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(cfg).float().save_pretrained(str(out_dir))
+    images = Idefics3ImageProcessor(size={"longest_edge": 3 * IDEFICS3_TILE},
+                                    max_image_size={"longest_edge": IDEFICS3_TILE})
+    Idefics3Processor(images, tokenizer, image_seq_len=IDEFICS3_TOKENS_PER_TILE,
+                      chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(str(out_dir))
+    return out_dir
+
+
+def hf_idefics3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of an Idefics3 / SmolVLM checkpoint, float32, one (token ids, PIL images)
+    prompt at a time, the images through the checkpoint's own image processor (tiles, global image, padding mask)."""
+    from transformers import AutoImageProcessor, Idefics3ForConditionalGeneration
+
+    model = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+    outs = []
+    for ids, images in prompts:
+        extra = dict(processor(images=[images], return_tensors="pt")) if images else {}
+        extra.pop("rows", None), extra.pop("cols", None)
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long), **extra)
+        outs.append(gen[0, len(ids):].tolist())
+    del model
+    release_memory()
+    return outs

@@ -31,28 +31,20 @@ from kvbaton.messages.router_worker import (
 )
 from kvbaton.messages.worker_spec import WorkerRole, WorkerSpec
 from kvbaton.mm.cached_encoder import CachedEncoder
+from kvbaton.mm.embedding_bound import MAX_EMBEDDING_BYTES, embeddings_refusal
 from kvbaton.mm.embeddings import to_bytes
 from kvbaton.mm.images import DecodedImage
 from kvbaton.models.registry import resolve_model
 from kvbaton.platform.startup import StartupClock
 from kvbaton.sched.info import EngineStats
-from kvbaton.wire import MAX_CONTROL_FRAME_BYTES
 from kvbaton.worker.roles.base import Handler, Role, WorkerContext
 
 logger = logging.getLogger("kvbaton.worker")
 IDLE_POLL_MS = 500  # nothing queued: wake up now and then (to notice a dead launcher)
-# a request's embeddings travel in one control frame, to the router and on to a language worker with the prompt:
-# beyond this they would not fit (the receiving socket drops an oversized frame), so the request is refused
-MAX_EMBEDDING_BYTES = MAX_CONTROL_FRAME_BYTES - 4 * 2**20
-
-
 def oversized(embeddings: list[ImageEmbedding], limit: int = MAX_EMBEDDING_BYTES) -> str | None:
-    """Why a request's embeddings cannot travel (over `limit` bytes in all), None if they can."""
-    size = sum(len(e.data) for e in embeddings)
-    if size <= limit:
-        return None
-    return (f"the images' embeddings take {size / 2**20:.1f} MiB, over the {limit / 2**20:.1f} MiB a request may "
-            "carry: send fewer images")
+    """Why a request's embeddings cannot travel (over `limit` bytes in all), None if they can: the router
+    refused such a request at admission while this worker was up; one admitted before it was is refused here."""
+    return embeddings_refusal(sum(len(e.data) for e in embeddings), limit)
 
 
 class EncodeRole(Role):
