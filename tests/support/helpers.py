@@ -238,11 +238,20 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
     at a time, its images through the checkpoint's own processor: the multimodal parity oracle."""
     from transformers import AutoImageProcessor, LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
+
+    def pixel_inputs(images: list) -> dict:
+        return {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]}
+
+    return _hf_vlm_greedy(LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32),
+                          pixel_inputs, prompts, max_new_tokens)
+
+
+def _hf_vlm_greedy(model, pixel_inputs, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
+    """`model`'s greedy tokens for each (token ids, PIL images) prompt, `pixel_inputs(images)` its image inputs."""
     outs = []
     for ids, images in prompts:
-        extra = {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]} if images else {}
+        extra = pixel_inputs(images) if images else {}
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long), **extra)
@@ -304,16 +313,11 @@ def hf_idefics3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], m
     prompt at a time, the images through the checkpoint's own image processor (tiles, global image, padding mask)."""
     from transformers import AutoImageProcessor, Idefics3ForConditionalGeneration
 
-    model = Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32)
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
-    outs = []
-    for ids, images in prompts:
-        extra = dict(processor(images=[images], return_tensors="pt")) if images else {}
-        extra.pop("rows", None), extra.pop("cols", None)
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long), **extra)
-        outs.append(gen[0, len(ids):].tolist())
-    del model
-    release_memory()
-    return outs
+
+    def pixel_inputs(images: list) -> dict:
+        out = processor(images=[images], return_tensors="pt")
+        return {k: v for k, v in out.items() if k in ("pixel_values", "pixel_attention_mask")}
+
+    return _hf_vlm_greedy(Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32),
+                          pixel_inputs, prompts, max_new_tokens)
