@@ -23,9 +23,11 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV3ForCausalLM": "deepseek_v3",  # DeepSeek-V3/R1 and Kimi-K2 checkpoints name this class
     "LlavaForConditionalGeneration": "llama",  # its text model's family (`_VISION_TEXT_MODELS`) decides
     "Idefics3ForConditionalGeneration": "llama",  # SmolVLM (and Idefics3): the same
+    "SmolVLMForConditionalGeneration": "llama",  # SmolVLM2
 }
 # the vision-language architectures: which encoder (`mm/`) turns their images into the text model's embeddings
-VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Idefics3ForConditionalGeneration": "idefics3"}
+VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Idefics3ForConditionalGeneration": "idefics3",
+                        "SmolVLMForConditionalGeneration": "idefics3"}  # SmolVLM2: Idefics3's images, renamed
 _VISION_TEXT_MODELS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # text_config's
 _QWEN_LIKE = ("qwen2", "qwen2_moe")  # q/k/v projections carry a bias
 _PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")

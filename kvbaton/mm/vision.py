@@ -75,22 +75,27 @@ class LlavaEncoder:
 
 
 class Idefics3Encoder:
-    """Idefics3 / SmolVLM: the processor cuts an image into a grid of tiles and adds the whole image (the global
-    image, last), each padded to the tile's size; the SigLIP tower encodes every tile, its padding masked out
-    patch by patch, and the connector folds each scale x scale patches into one token (pixel shuffle) and
-    projects them. The image's embeddings are its tiles', in order: they fill its placeholder runs in the order
-    the prompt holds them (`mm/tiles.py`)."""
+    """Idefics3 / SmolVLM (and SmolVLM2): the processor cuts an image into a grid of tiles and adds the whole
+    image (the global image, last), each padded to the tile's size; the SigLIP tower encodes every tile, its
+    padding masked out patch by patch, and the connector folds each scale x scale patches into one token (pixel
+    shuffle) and projects them. The image's embeddings are its tiles', in order: they fill its placeholder runs
+    in the order the prompt holds them (`mm/tiles.py`)."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
         from transformers import AutoConfig, AutoImageProcessor
-        from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
+        from transformers.models.idefics3 import modeling_idefics3
+        from transformers.models.smolvlm import modeling_smolvlm
 
         config = AutoConfig.from_pretrained(str(model_dir))
         self.dtype = dtype
         self.patch = int(config.vision_config.patch_size)
+        # SmolVLM2's classes are Idefics3's under another name (their weights and images alike)
+        tower, connector = ((modeling_smolvlm.SmolVLMVisionTransformer, modeling_smolvlm.SmolVLMConnector)
+                            if config.model_type == "smolvlm" else
+                            (modeling_idefics3.Idefics3VisionTransformer, modeling_idefics3.Idefics3Connector))
         # (typed as a plain module: transformers' decorated `PreTrainedModel.to` confuses mypy)
-        self.tower: torch.nn.Module = cast(torch.nn.Module, Idefics3VisionTransformer(config.vision_config))
-        self.connector = Idefics3Connector(config)
+        self.tower: torch.nn.Module = cast(torch.nn.Module, tower(config.vision_config))
+        self.connector: torch.nn.Module = connector(config)
         _load_parts(model_dir, {"vision_model.": self.tower, "connector.": self.connector})
         self.tower.to(dtype).eval().requires_grad_(False)
         self.connector.to(dtype).eval().requires_grad_(False)

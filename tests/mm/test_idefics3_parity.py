@@ -1,9 +1,9 @@
-"""SmolVLM / Idefics3 through kvbaton's engine: an image is a grid of tiles and the global image, each tile a run
-of placeholders between the processor's text (row and column tags, newlines). The frontend lays the placeholders
-out from the image's size as transformers' processor does (token for token), and greedy fp32 output is
-token-identical to transformers' on a tiny random checkpoint: images of different grids, several in a prompt, an
-image first, text-only prompts in the same batch, chunked prefill through the tiles, and prefix caching that shares
-KV for the same image only."""
+"""SmolVLM / Idefics3 (and SmolVLM2) through kvbaton's engine: an image is a grid of tiles and the global image,
+each tile a run of placeholders between the processor's text (row and column tags, newlines). The frontend lays
+the placeholders out from the image's size as transformers' processor does (token for token), and greedy fp32
+output is token-identical to transformers' on tiny random checkpoints of both families: images of different
+grids, several in a prompt, an image first, text-only prompts in the same batch, chunked prefill through the
+tiles, and prefix caching that shares KV for the same image only."""
 
 from __future__ import annotations
 
@@ -40,17 +40,35 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smolvlm(tmp_path_factory, default_model_dir):
-    from transformers import AutoProcessor
+def processor_ids(model, family: str, messages: list[dict], images: list[Image.Image]) -> list[int]:
+    """The prompt's token ids as transformers' processor of the family makes them (SmolVLM2's whole processor
+    needs torchvision, for its videos: its own prompt function over its image processor's grid stands in)."""
+    if family == "idefics3":
+        from transformers import AutoProcessor
 
-    model = build_tiny_idefics3(tmp_path_factory.mktemp("idefics3"), default_model_dir)
-    processor = AutoProcessor.from_pretrained(str(model))
-    prompts = []
-    for messages, images in CHATS:
+        processor = AutoProcessor.from_pretrained(str(model))
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
-        ids = processor(text=[text], images=[images] if images else None, return_tensors="pt")["input_ids"][0]
-        prompts.append((ids.tolist(), images))
+        return processor(text=[text], images=[images] if images else None)["input_ids"][0]
+    from transformers import AutoImageProcessor, AutoTokenizer
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if images:
+        grid = AutoImageProcessor.from_pretrained(str(model))(images=[images], return_row_col_info=True)
+        pieces = text.split("<image>")
+        text = pieces[0] + "".join(
+            get_image_prompt_string(rows, cols, IDEFICS3_TOKENS_PER_TILE, "<fake_token_around_image>", "<image>",
+                                    "<global-img>") + piece
+            for rows, cols, piece in zip(grid["rows"][0], grid["cols"][0], pieces[1:]))
+    return tokenizer(text)["input_ids"]
+
+
+@pytest.fixture(scope="module", params=["idefics3", "smolvlm"])
+def smolvlm(request, tmp_path_factory, default_model_dir):
+    family = request.param
+    model = build_tiny_idefics3(tmp_path_factory.mktemp(family), default_model_dir, family=family)
+    prompts = [(list(processor_ids(model, family, messages, images)), images) for messages, images in CHATS]
     return model, prompts, hf_idefics3_greedy(model, prompts, MAX_NEW)
 
 

@@ -271,20 +271,16 @@ IDEFICS3_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}")
 
 
-def build_tiny_idefics3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A random-weight SmolVLM (Idefics3: a 2-layer SigLIP tower of 32-pixel tiles, the pixel-shuffle connector,
-    a tiny Llama) saved as HuggingFaceTB's checkpoints are: config, weights, the default model's tokenizer with
-    SmolVLM's image tokens added, and the processor (tiles of 32 pixels, images resized to 96 at most: grids
-    up to 3 x 3 and the global image)."""
-    from transformers import (
-        AutoTokenizer,
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3ImageProcessor,
-        Idefics3Processor,
-        LlamaConfig,
-    )
+def build_tiny_idefics3(out_dir: Path, tokenizer_dir: Path, seed: int = 0, family: str = "idefics3") -> Path:
+    """A random-weight SmolVLM (`family` "idefics3": SmolVLM's first checkpoints' architecture; "smolvlm":
+    SmolVLM2's) of a 2-layer SigLIP tower of 32-pixel tiles, the pixel-shuffle connector and a tiny Llama, saved
+    as HuggingFaceTB's checkpoints are: config, weights, the default model's tokenizer with SmolVLM's image
+    tokens added, and the image processor (tiles of 32 pixels, images resized to 96 at most: grids up to 3 x 3
+    and the global image; Idefics3's whole processor too, SmolVLM's needs torchvision for its videos)."""
+    import transformers
+    from transformers import AutoTokenizer, LlamaConfig
 
+    prefix = {"idefics3": "Idefics3", "smolvlm": "SmolVLM"}[family]
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     tokenizer.add_special_tokens({"additional_special_tokens": [
         "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
@@ -297,21 +293,26 @@ def build_tiny_idefics3(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Pa
                        tie_word_embeddings=False, rms_norm_eps=1e-5)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   image_size=IDEFICS3_TILE, patch_size=8, initializer_range=0.2)
-    cfg = Idefics3Config(vision_config=vision, text_config=text.to_dict(), image_token_id=image_token,
-                         scale_factor=2, tie_word_embeddings=False)
+    cfg = getattr(transformers, f"{prefix}Config")(vision_config=vision, text_config=text.to_dict(),
+                                                   image_token_id=image_token, scale_factor=2,
+                                                   tie_word_embeddings=False)
     torch.manual_seed(seed)
-    Idefics3ForConditionalGeneration(cfg).float().save_pretrained(str(out_dir))
-    images = Idefics3ImageProcessor(size={"longest_edge": 3 * IDEFICS3_TILE},
-                                    max_image_size={"longest_edge": IDEFICS3_TILE})
-    Idefics3Processor(images, tokenizer, image_seq_len=IDEFICS3_TOKENS_PER_TILE,
-                      chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(str(out_dir))
+    getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().save_pretrained(str(out_dir))
+    images = getattr(transformers, f"{prefix}ImageProcessor")(size={"longest_edge": 3 * IDEFICS3_TILE},
+                                                              max_image_size={"longest_edge": IDEFICS3_TILE})
+    if family == "idefics3":
+        transformers.Idefics3Processor(images, tokenizer, image_seq_len=IDEFICS3_TOKENS_PER_TILE,
+                                       chat_template=IDEFICS3_CHAT_TEMPLATE).save_pretrained(str(out_dir))
+    else:
+        images.save_pretrained(str(out_dir))
+        tokenizer.save_pretrained(str(out_dir))
     return out_dir
 
 
 def hf_idefics3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy generate of an Idefics3 / SmolVLM checkpoint, float32, one (token ids, PIL images)
     prompt at a time, the images through the checkpoint's own image processor (tiles, global image, padding mask)."""
-    from transformers import AutoImageProcessor, Idefics3ForConditionalGeneration
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
 
@@ -319,5 +320,5 @@ def hf_idefics3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], m
         out = processor(images=[images], return_tensors="pt")
         return {k: v for k, v in out.items() if k in ("pixel_values", "pixel_attention_mask")}
 
-    return _hf_vlm_greedy(Idefics3ForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32),
+    return _hf_vlm_greedy(AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32),
                           pixel_inputs, prompts, max_new_tokens)
