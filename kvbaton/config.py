@@ -24,11 +24,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlavaForConditionalGeneration": "llama",  # its text model's family (`_VISION_TEXT_MODELS`) decides
     "Idefics3ForConditionalGeneration": "llama",  # SmolVLM (and Idefics3): the same
     "SmolVLMForConditionalGeneration": "llama",  # SmolVLM2
+    "Qwen2VLForConditionalGeneration": "qwen2",
 }
 # the vision-language architectures: which encoder (`mm/`) turns their images into the text model's embeddings
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Idefics3ForConditionalGeneration": "idefics3",
-                        "SmolVLMForConditionalGeneration": "idefics3"}  # SmolVLM2: Idefics3's images, renamed
-_VISION_TEXT_MODELS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # text_config's
+                        "SmolVLMForConditionalGeneration": "idefics3",  # SmolVLM2: Idefics3's images, renamed
+                        "Qwen2VLForConditionalGeneration": "qwen2_vl"}
+_VISION_TEXT_MODELS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",  # text_config's
+                       "qwen2_vl_text": "qwen2", "qwen2_vl": "qwen2"}  # (older Qwen2-VL configs: no text_config)
 _QWEN_LIKE = ("qwen2", "qwen2_moe")  # q/k/v projections carry a bias
 _PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
 
@@ -123,6 +126,18 @@ class TileGrid:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DynamicResolution:
+    """Qwen2-VL's image processor: an image keeps its aspect, resized to whole multiples of `patch * merge`
+    pixels with at least `min_pixels` and at most `max_pixels`; every `merge` x `merge` patches become one
+    placeholder (so one image's run is as long as its size asks)."""
+
+    patch: int
+    merge: int
+    min_pixels: int
+    max_pixels: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class VisionSpec:
     """What the text model of a vision-language checkpoint needs to know of its images: each image stands in the
     prompt as runs of `tokens_per_image` copies of `image_token_id`, whose embeddings the encoder supplies. One
@@ -135,6 +150,10 @@ class VisionSpec:
     tokens_per_image: int  # per run: per tile with `tiles`
     tiles: TileGrid | None = None
     global_image_token_id: int | None = None  # with `tiles`: the token before an image's last run
+    # Qwen2-VL: one run per image, as long as its size asks (`tokens_per_image` 0), and multimodal RoPE: an
+    # image's placeholders take (t, row, column) positions, rotated by sections of the head's frequencies
+    resolution: DynamicResolution | None = None
+    mrope_section: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,7 +194,7 @@ class ModelConfig:
         arch_names = hf.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in arch_names if a in SUPPORTED_ARCHITECTURES), None)
         if any(a in VISION_ARCHITECTURES for a in arch_names):  # the text model's own family decides its layers
-            text_type = (hf.get("text_config") or {}).get("model_type", "llama")
+            text_type = (hf.get("text_config") or {}).get("model_type", hf.get("model_type", "llama"))
             arch = _VISION_TEXT_MODELS.get(text_type)
             if arch is None:
                 raise ConfigError(f"a vision-language checkpoint whose text model is {text_type!r} is not supported; "
@@ -238,6 +257,8 @@ class ModelConfig:
             raise ConfigError(f"{path}: missing or invalid field {exc}") from exc
         if config.vision is not None and config.vision.encoder == "idefics3":
             config = replace(config, vision=_with_tiles(config.vision, Path(model_dir)))
+        if config.vision is not None and config.vision.encoder == "qwen2_vl":
+            config = replace(config, vision=_with_resolution(config.vision, Path(model_dir)))
         return config
 
 
@@ -246,7 +267,10 @@ def _parse_vision(arch_names: list[str], hf: dict) -> VisionSpec | None:
     if encoder is None:
         return None
     vision = hf["vision_config"]
-    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
+    patches = (int(vision.get("image_size", 0)) // int(vision["patch_size"])) ** 2
+    if encoder == "qwen2_vl":  # as many as the image's size asks
+        return VisionSpec(encoder=encoder, image_token_id=int(hf["image_token_id"]), tokens_per_image=0,
+                          mrope_section=_mrope_section(hf))
     if encoder == "idefics3":  # the connector folds scale x scale patches into one token
         tokens = patches // int(hf.get("scale_factor", 2)) ** 2
     else:  # LLaVA's "default" strategy drops the CLS position; "full" keeps it
@@ -287,6 +311,34 @@ def _with_tiles(vision: VisionSpec, model_dir: Path) -> VisionSpec:
         raise ConfigError(f"{model_dir}: the tokenizer has no <global-img> token (an Idefics3 / SmolVLM tokenizer has)")
     return replace(vision, tiles=TileGrid(longest_edge=longest, tile=tile, split=bool(settings.get(
         "do_image_splitting", True))), global_image_token_id=int(global_id))
+
+
+def _mrope_section(hf: dict) -> tuple[int, ...]:
+    text = hf.get("text_config") or hf
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section")
+    if not isinstance(section, list) or len(section) != 3:
+        raise ConfigError("a Qwen2-VL config needs rope_parameters.mrope_section: three sizes")
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    if sum(section) * 2 != head_dim:
+        raise ConfigError(f"mrope_section {section} does not cover the head's {head_dim // 2} frequencies")
+    return tuple(int(n) for n in section)
+
+
+def _with_resolution(vision: VisionSpec, model_dir: Path) -> VisionSpec:
+    """Qwen2-VL's resize bounds (from its image processor's settings) and patch sizes (from config.json)."""
+    hf = json.loads((model_dir / "config.json").read_text())
+    settings = image_processor_settings(model_dir)
+    size = settings.get("size") or {}
+    try:
+        resolution = DynamicResolution(
+            patch=int(hf["vision_config"]["patch_size"]), merge=int(hf["vision_config"].get("spatial_merge_size", 2)),
+            min_pixels=int(settings.get("min_pixels") or size.get("shortest_edge") or 56 * 56),
+            max_pixels=int(settings.get("max_pixels") or size.get("longest_edge") or 28 * 28 * 1280))
+    except (KeyError, TypeError, ValueError):
+        raise ConfigError(f"{model_dir}: the image processor's pixel bounds or the patch size are not numbers"
+                          ) from None
+    return replace(vision, resolution=resolution)
 
 
 def _parse_moe(arch: str, text: dict) -> MoEConfig | None:
@@ -331,7 +383,7 @@ def _parse_mla(text: dict) -> MLAConfig:
 
 def _parse_rope_scaling(raw: dict, text: dict) -> RopeScaling | None:
     kind = raw.get("rope_type") or raw.get("type")
-    if kind in (None, "default"):
+    if kind in (None, "default", "mrope"):  # Qwen2-VL's sections: `VisionSpec.mrope_section`
         return None
     if kind == "yarn":
         return _parse_yarn(raw, text)

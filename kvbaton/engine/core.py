@@ -37,6 +37,7 @@ from kvbaton.kv.store.factory import build_store
 from kvbaton.layers.compute_paths import apply_compute_plan, plan_compute
 from kvbaton.mm.cached_encoder import CachedEncoder
 from kvbaton.mm.images import DecodedImage
+from kvbaton.mm.mrope import mrope_positions
 from kvbaton.mm.placeholders import image_spans
 from kvbaton.models.families import CausalLM
 from kvbaton.models.loader import load_model
@@ -281,10 +282,12 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------------
 
     def new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0,
-                    remote_decode: RemoteDecode | None = None, image_digests: Sequence[str] = ()) -> Request:
+                    remote_decode: RemoteDecode | None = None, image_digests: Sequence[str] = (),
+                    image_sizes: Sequence[tuple[int, int]] = ()) -> Request:
         """A request for this engine (its EOS ids), as a worker receives one from the router; with images, their
-        placeholders found in the prompt (InvalidRequestError unless they fit)."""
-        spans = image_spans(self.model_config.vision, prompt_token_ids, image_digests)
+        placeholders found in the prompt (InvalidRequestError unless they fit; `image_sizes`, each image's width
+        and height, where its size decides them)."""
+        spans = image_spans(self.model_config.vision, prompt_token_ids, image_digests, image_sizes)
         return Request(request_id, prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids, priority=priority,
                        remote_decode=remote_decode, image_spans=spans)
 
@@ -334,6 +337,12 @@ class EngineCore:
             raise InvalidRequestError("an image's embeddings do not fit its placeholders")
         self.runner.image_embeddings[req.request_id] = [
             (start, e[row:row + n]) for span, e in zip(req.image_spans, found) for start, row, n in span.placements()]
+        if self.model_config.vision is not None and self.model_config.vision.mrope_section:
+            try:
+                self.runner.mrope[req.request_id] = mrope_positions(len(req.prompt_token_ids), req.image_spans)
+            except ValueError as exc:
+                self._drop_images(req.request_id)
+                raise InvalidRequestError(str(exc)) from None
         return True
 
     def _received(self, req: Request, embeddings: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -367,6 +376,7 @@ class EngineCore:
     def _drop_images(self, request_id: str) -> None:
         """A request ended (or never started): its embeddings go, and its hold on the encoder cache."""
         self.runner.image_embeddings.pop(request_id, None)
+        self.runner.mrope.pop(request_id, None)
         if self.encoder_cache is not None:
             self.encoder_cache.release(request_id)
 

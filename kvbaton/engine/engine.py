@@ -59,7 +59,8 @@ class LLMEngine:
         self.validate(token_ids, params, priority)
         self.core.validate_grammar(params)
         images = prompt_images(prompt)
-        spans = image_spans(self.core.model_config.vision, token_ids, [im.digest for im in images])
+        spans = image_spans(self.core.model_config.vision, token_ids, [im.digest for im in images],
+                            [(im.width, im.height) for im in images])
         req = Request(request_id, token_ids, params, eos_token_ids=self.eos_token_ids, priority=priority,
                       arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
                       image_spans=spans)

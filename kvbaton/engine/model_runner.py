@@ -15,6 +15,7 @@ from kvbaton.kernels import PagedDecodeKernel, PagedPrefillKernel, paged_decode_
 from kvbaton.kv.connectors.base import KVSender, TransferSpec
 from kvbaton.kv.pools import KVPools, torch_dtype
 from kvbaton.layers.attention import AttentionMetadata, PrefillSpan
+from kvbaton.mm.mrope import MropePositions
 from kvbaton.models.families import CausalLM
 from kvbaton.models.layer_loop import build_layer_loop
 from kvbaton.platform.compute import AttentionCode
@@ -63,6 +64,8 @@ class ModelRunner:
         # per request with images: (prompt position of an image's first placeholder, its embeddings [n, E]),
         # kept until the request ends (a preempted request computes its prompt again; the core drops them)
         self.image_embeddings: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        # per request with images of a multimodal-RoPE model (Qwen2-VL): its positions, as long as it lives
+        self.mrope: dict[str, MropePositions] = {}
 
     def _attention_kernels(self, num_heads: int, attention: AttentionCode,
                            ) -> tuple[PagedDecodeKernel | None, PagedPrefillKernel | None]:
@@ -162,6 +165,8 @@ class ModelRunner:
         ordered = decodes + prefills
         input_ids = torch.tensor([t for s in ordered for t in s.token_ids], dtype=torch.long)
         positions = torch.cat([torch.arange(s.start_position, s.start_position + s.num_tokens) for s in ordered])
+        if self.mrope and any(s.request_id in self.mrope for s in ordered):
+            positions = self._mrope_positions(ordered, positions)
         slot_mapping = torch.cat([self._slots(s, s.start_position, s.start_position + s.num_tokens)
                                   for s in ordered])
         ends = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
@@ -182,6 +187,18 @@ class ModelRunner:
         indices = ends[sample_rows] if not extra else torch.cat([ends[sample_rows], torch.tensor(extra)])
         return StepInputs(input_ids, positions, meta, indices, [ordered[i] for i in sample_rows], prompt_rows,
                           self._image_rows(ordered) if self.image_embeddings else None)
+
+    def _mrope_positions(self, ordered: list[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+        """The step's RoPE positions with its multimodal-RoPE requests': [3, T] (t, row, column) while an image's
+        placeholders are in the step, else [T] (text: every axis alike, behind its index by the request's delta)."""
+        out = positions.unsqueeze(0).repeat(3, 1)
+        offset = 0
+        for s in ordered:
+            mrope = self.mrope.get(s.request_id)
+            if mrope is not None:
+                out[:, offset:offset + s.num_tokens] = mrope.of(s.start_position, s.start_position + s.num_tokens)
+            offset += s.num_tokens
+        return out[0] if bool((out == out[0]).all()) else out
 
     def _images_in(self, s: ScheduledRequest) -> list[tuple[int, int, torch.Tensor]]:
         """(first, end, embeddings of positions first..end) of each image placeholder run in `s`'s chunk."""
@@ -204,7 +221,8 @@ class ModelRunner:
         slots."""
         tokens = [s.token_ids[0] for s in decodes]
         loop = self.model.layer_loop
-        if loop is not None and loop.bursts(len(decodes)):  # the whole burst in one C call (over this runner's pools)
+        # the whole burst in one C call (over this runner's pools), unless a request's RoPE runs behind its index
+        if loop is not None and loop.bursts(len(decodes)) and not any(s.request_id in self.mrope for s in decodes):
             _, table = self._decode_table(decodes, [s.start_position + steps - 1 for s in decodes])
             out = loop.burst(torch.tensor(tokens, dtype=torch.long),
                              torch.tensor([s.start_position for s in decodes], dtype=torch.long), table, steps)
@@ -235,6 +253,9 @@ class ModelRunner:
                                  (), self.decode_kernel, None)
         if token_ids is None:
             token_ids = [s.token_ids[0] for s in decodes]
+        if self.mrope:  # text after images: RoPE's position runs behind the index by the request's delta
+            deltas = [m.delta if (m := self.mrope.get(s.request_id)) else 0 for s in decodes]
+            positions = [p + d for p, d in zip(positions, deltas)]
         return StepInputs(torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta,
                           torch.arange(len(decodes)), decodes)
 

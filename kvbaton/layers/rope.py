@@ -72,9 +72,13 @@ class RotaryEmbedding(torch.nn.Module):
     kernel: Rope | None = None  # the C rotation (set by the compute plan), else PyTorch's
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: RopeScaling | None,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, mrope_section: tuple[int, ...] = ()) -> None:
         super().__init__()
         self._args = (head_dim, max_positions, theta, scaling, dtype)
+        # multimodal RoPE (Qwen2-VL): which of the (t, row, column) positions rotates each of the head's
+        # frequencies, by sections, the same in both halves; None: one position per token
+        self.axis_of = (torch.tensor([axis for _ in range(2) for axis, n in enumerate(mrope_section)
+                                      for _ in range(n)], dtype=torch.long, device="cpu") if mrope_section else None)
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
         self.build_table()
@@ -98,6 +102,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.sin = signed_sin.to(dtype=dtype, device="cpu")
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [T, 1, D] at `positions` [T], or with multimodal RoPE [3, T] (t, row, column):
+        each frequency at the position of its section's axis."""
+        if positions.dim() == 2:
+            if self.axis_of is None:
+                raise ValueError("(t, row, column) positions for a model without multimodal RoPE")
+            at = positions[self.axis_of].T  # [T, D]: the position each frequency of each token is rotated by
+            return self.cos.gather(0, at).unsqueeze(1), self.sin.gather(0, at).unsqueeze(1)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [T, 1, D] each
 
     def apply_(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:

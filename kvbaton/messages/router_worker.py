@@ -44,6 +44,8 @@ class ImageEmbedding(msgspec.Struct, frozen=True, kw_only=True):
     rows: int
     cols: int
     data: bytes
+    width: int = 0  # the image's size (Qwen2-VL: its placeholders' grid, their multimodal RoPE positions)
+    height: int = 0
 
 
 class AddRequest(msgspec.Struct, tag="add", kw_only=True):

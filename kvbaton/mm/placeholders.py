@@ -1,13 +1,14 @@
 """Where a prompt's images stand: runs of `VisionSpec.tokens_per_image` consecutive copies of the image token in
 the prompt's token ids, one run per image in order (LLaVA), or with a tile grid (Idefics3 / SmolVLM) one per tile
-and one for the global image, text tokens between them. Torch-free: the frontend lays the placeholders out and
-counts them as the workers do."""
+and one for the global image, text tokens between them, or one run per image as long as its size asks
+(Qwen2-VL). Torch-free: the frontend lays the placeholders out and counts them as the workers do."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvbaton.config import VisionSpec
+from kvbaton.config import DynamicResolution, VisionSpec
+from kvbaton.mm.dynamic_resolution import merged_grid
 from kvbaton.mm.tiles import image_prompt, tile_grid
 from kvbaton.sched.request import ImageSpan
 from kvbaton.sched.sampling_params import InvalidRequestError
@@ -16,12 +17,14 @@ MAX_GRIDS_KEPT = 64  # tile grids whose placeholder ids are kept (a few per chec
 
 
 def _runs(vision: VisionSpec, token_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """(start, length) of each run of image tokens, a run cut after `tokens_per_image` of them."""
+    """(start, length) of each run of image tokens, a run cut after `tokens_per_image` of them (never, for an
+    image whose size decides its run: Qwen2-VL's images are apart by their start and end tokens)."""
     runs: list[tuple[int, int]] = []
+    most = vision.tokens_per_image or len(token_ids)
     for i, token in enumerate(token_ids):
         if token != vision.image_token_id:
             continue
-        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][1] < vision.tokens_per_image:
+        if runs and runs[-1][0] + runs[-1][1] == i and runs[-1][1] < most:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((i, 1))
@@ -41,14 +44,19 @@ def _by_image(vision: VisionSpec, token_ids: Sequence[int], runs: list[tuple[int
     return groups if groups[-1] else groups[:-1]
 
 
-def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Sequence[str]) -> tuple[ImageSpan, ...]:
+def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Sequence[str],
+                sizes: Sequence[tuple[int, int]] = ()) -> tuple[ImageSpan, ...]:
     """The spans of `token_ids`' images, the i-th named by `digests[i]`; InvalidRequestError unless the image
-    tokens make exactly that many images, each run `tokens_per_image` long."""
+    tokens make exactly that many images, each run `tokens_per_image` long. Where an image's size decides its run
+    (Qwen2-VL), `sizes` (each image's width and height) give each span its grid, which its run must fill; without
+    them (the router: it places no positions) the runs are taken as they are."""
     if vision is None:
         if digests:
             raise InvalidRequestError("this model does not take images")
         return ()
     runs = _runs(vision, token_ids)
+    if vision.resolution is not None:
+        return _sized_spans(vision.resolution, runs, digests, sizes)
     groups = _by_image(vision, token_ids, runs)
     if len(groups) != len(digests) or any(n != vision.tokens_per_image for _, n in runs) or any(
             vision.tiles is not None and not (g[-1][0] > 0 and token_ids[g[-1][0] - 1] == vision.global_image_token_id)
@@ -60,6 +68,25 @@ def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Se
     for group, digest in zip(groups, digests):
         start, end = group[0][0], group[-1][0] + group[-1][1]
         spans.append(ImageSpan(start, end - start, bytes.fromhex(digest), tuple(group) if len(group) > 1 else ()))
+    return tuple(spans)
+
+
+def _sized_spans(resolution: DynamicResolution, runs: list[tuple[int, int]], digests: Sequence[str],
+                 sizes: Sequence[tuple[int, int]]) -> tuple[ImageSpan, ...]:
+    if len(runs) != len(digests):
+        raise InvalidRequestError(f"the prompt holds {len(runs)} runs of image tokens for {len(digests)} image(s)")
+    spans = []
+    for i, ((start, n), digest) in enumerate(zip(runs, digests)):
+        grid: tuple[int, ...] = ()
+        if sizes:
+            try:
+                grid = merged_grid(resolution, *sizes[i])
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            if grid[0] * grid[1] != n:
+                raise InvalidRequestError(f"image {i} of {sizes[i][0]}x{sizes[i][1]} pixels takes {grid[0] * grid[1]} "
+                                          f"image tokens, the prompt holds {n} for it")
+        spans.append(ImageSpan(start, n, bytes.fromhex(digest), grid=grid))
     return tuple(spans)
 
 
@@ -75,10 +102,16 @@ class Placeholders:
     @property
     def need_sizes(self) -> bool:
         """Whether an image's placeholders depend on its size (its pixels must be decoded, at least its header)."""
-        return self.vision.tiles is not None
+        return self.vision.tiles is not None or self.vision.resolution is not None
 
     def for_image(self, width: int, height: int) -> list[int]:
         vision = self.vision
+        if vision.resolution is not None:
+            try:
+                rows, cols = merged_grid(vision.resolution, width, height)
+            except ValueError as exc:
+                raise InvalidRequestError(str(exc)) from None
+            return [vision.image_token_id] * (rows * cols)
         if vision.tiles is None:
             return [vision.image_token_id] * vision.tokens_per_image
         grid = tile_grid(vision.tiles, width, height)

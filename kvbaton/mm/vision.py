@@ -116,6 +116,33 @@ class Idefics3Encoder:
         return out
 
 
+class Qwen2VLEncoder:
+    """Qwen2-VL: the processor resizes an image to whole patches within its pixel bounds (`mm/dynamic_resolution.py`)
+    and flattens them; the ViT encodes them with 2-D rotary positions and the merger folds each 2 x 2 patches into
+    one embedding of the text model's width: as many as the image's run of placeholders."""
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
+        from transformers import AutoConfig, AutoImageProcessor
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        config = AutoConfig.from_pretrained(str(model_dir))
+        self.dtype = dtype
+        self.tower: torch.nn.Module = cast(torch.nn.Module, Qwen2VisionTransformerPretrainedModel._from_config(
+            config.vision_config))
+        _load_parts(model_dir, {"visual.": self.tower})
+        self.tower.to(dtype).eval().requires_grad_(False)
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
+
+    @torch.inference_mode()
+    def encode(self, images: list[DecodedImage]) -> list[torch.Tensor]:
+        out = []
+        for image in images:
+            inputs = self.processor(images=[image.to_pil()], return_tensors="pt")
+            merged = self.tower(inputs["pixel_values"].to(self.dtype), grid_thw=inputs["image_grid_thw"]).pooler_output
+            out.append(merged.reshape(-1, merged.shape[-1]))
+        return out
+
+
 def load_image_encoder(model_dir: Path, dtype: torch.dtype) -> ImageEncoder | None:
     """The encoder of a vision-language checkpoint, None for a text-only one."""
     vision = ModelConfig.from_dir(model_dir).vision
@@ -125,4 +152,6 @@ def load_image_encoder(model_dir: Path, dtype: torch.dtype) -> ImageEncoder | No
         return LlavaEncoder(model_dir, dtype)
     if vision.encoder == "idefics3":
         return Idefics3Encoder(model_dir, dtype)
+    if vision.encoder == "qwen2_vl":
+        return Qwen2VLEncoder(model_dir, dtype)
     raise ConfigError(f"no image encoder for {vision.encoder!r}")

@@ -67,10 +67,11 @@ class DecoderStack(nn.Module):
             x[image_rows[0]] = image_rows[1].to(x.dtype)
         loop = self.layer_loop
         residual: torch.Tensor | None = None
-        if takes(meta, x.shape[0], self.micro_batches):  # the experts are elsewhere: take turns with them
+        by_axes = positions.dim() == 2  # (t, row, column): only the layers below rotate by sections (Qwen2-VL)
+        if not by_axes and takes(meta, x.shape[0], self.micro_batches):  # the experts are elsewhere: take turns
             x, residual = run_micro_batched(list(self.layers), self.rope, x, positions, kv_caches, meta,
                                             self.micro_batches)
-        elif loop is not None and loop.runs(meta, kv_caches, x.shape[0]):
+        elif not by_axes and loop is not None and loop.runs(meta, kv_caches, x.shape[0]):
             if loop.has_head and _every_row(logits_indices, x.shape[0]):
                 return loop.logits(x, positions, meta)  # the head too, in the same C call
             residual = loop(x, positions, meta)  # x: the last layer's output, in place

@@ -93,5 +93,6 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(DecoderStack):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, max_positions: int) -> None:
-        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype)
+        rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, dtype,
+                               mrope_section=cfg.vision.mrope_section if cfg.vision is not None else ())
         super().__init__(cfg, rope, [DecoderLayer(cfg, rope, i) for i in range(cfg.num_hidden_layers)])

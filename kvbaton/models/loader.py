@@ -124,7 +124,7 @@ def _copy_weights(model: CausalLM, files: list[Path], dtype: torch.dtype) -> set
 
 
 # a vision-language checkpoint's weights that are not its text model's (`mm/` loads them)
-_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.")
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "vision_model.", "connector.", "visual.")
 
 
 def text_weight_name(hf_name: str) -> str | None:

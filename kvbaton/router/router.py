@@ -190,7 +190,8 @@ class Router:
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "no decode worker is running")
         self.validate(token_ids, params, priority)
-        spans = image_spans(self.info.vision, token_ids, [im.digest for im in images])
+        spans = image_spans(self.info.vision, token_ids, [im.digest for im in images],
+                            [(im.width, im.height) for im in images])
         refusal = self.encode_refusal(len(images)) if images else None
         if refusal is not None:
             raise EngineOverloadedError(refusal)

@@ -40,6 +40,7 @@ class ImageSpan:
     length: int
     digest: bytes
     runs: tuple[tuple[int, int], ...] = ()  # (start, length) of each placeholder run when there are several
+    grid: tuple[int, ...] = ()  # Qwen2-VL: the (rows, columns) its placeholders fill (multimodal positions)
 
     @property
     def placeholder_runs(self) -> tuple[tuple[int, int], ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -240,7 +241,7 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
 
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
 
-    def pixel_inputs(images: list) -> dict:
+    def pixel_inputs(ids: list[int], images: list) -> dict:
         return {"pixel_values": processor(images=images, return_tensors="pt")["pixel_values"]}
 
     return _hf_vlm_greedy(LlavaForConditionalGeneration.from_pretrained(str(model_dir), dtype=torch.float32),
@@ -248,10 +249,11 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
 
 
 def _hf_vlm_greedy(model, pixel_inputs, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
-    """`model`'s greedy tokens for each (token ids, PIL images) prompt, `pixel_inputs(images)` its image inputs."""
+    """`model`'s greedy tokens for each (token ids, PIL images) prompt, `pixel_inputs(ids, images)` its image
+    inputs."""
     outs = []
     for ids, images in prompts:
-        extra = pixel_inputs(images) if images else {}
+        extra = pixel_inputs(ids, images) if images else {}
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long), **extra)
@@ -316,9 +318,83 @@ def hf_idefics3_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], m
 
     processor = AutoImageProcessor.from_pretrained(str(model_dir))
 
-    def pixel_inputs(images: list) -> dict:
+    def pixel_inputs(ids: list[int], images: list) -> dict:
         out = processor(images=[images], return_tensors="pt")
         return {k: v for k, v in out.items() if k in ("pixel_values", "pixel_attention_mask")}
+
+    return _hf_vlm_greedy(AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32),
+                          pixel_inputs, prompts, max_new_tokens)
+
+
+# Qwen2-VL's template, shortened: each image part as its start, one pad token (the processor repeats it) and its end
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+QWEN2_VL_MAX_PIXELS = 28 * 28 * 16  # at most 16 placeholders an image
+
+
+def build_tiny_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random-weight Qwen2-VL (a 2-block ViT of 14-pixel patches merged 2 x 2, a tiny Qwen2 with multimodal
+    RoPE sections 2 + 3 + 3) saved as Qwen's checkpoints are: config, weights, the default model's tokenizer with
+    Qwen2-VL's vision tokens added, and the image processor (56 x 56 to 112 x 112 pixels' worth)."""
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": [
+        "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]})
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                          "<|video_pad|>")}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, initializer_range=0.2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    Qwen2VLForConditionalGeneration(cfg).float().save_pretrained(str(out_dir))
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=QWEN2_VL_MAX_PIXELS).save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def qwen2_vl_prompt_ids(model_dir: Path, messages: list[dict], images: list) -> list[int]:
+    """A chat's token ids as Qwen2-VL's processor makes them: each image's pad token repeated once per merged
+    patch of the image processor's grid (its whole processor needs torchvision, for videos)."""
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if images:
+        grids = AutoImageProcessor.from_pretrained(str(model_dir))(images=images)["image_grid_thw"]
+        pieces = text.split("<|image_pad|>")
+        text = pieces[0] + "".join("<|image_pad|>" * (int(t * h * w) // 4) + piece
+                                   for (t, h, w), piece in zip(grids.tolist(), pieces[1:]))
+    return tokenizer(text)["input_ids"]
+
+
+def hf_qwen2_vl_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy generate of a Qwen2-VL checkpoint, float32, one (token ids, PIL images) prompt at a
+    time, the images through its own image processor (patches and their grid: multimodal RoPE positions)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    processor = AutoImageProcessor.from_pretrained(str(model_dir))
+
+    image_token = json.loads((model_dir / "config.json").read_text())["image_token_id"]
+
+    def pixel_inputs(ids: list[int], images: list) -> dict:
+        out = processor(images=images, return_tensors="pt")
+        # which tokens are an image's (the processor's own output beside the ids): without them transformers
+        # falls back to text positions
+        kinds = torch.tensor([[int(t == image_token) for t in ids]], dtype=torch.int32)
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+                "mm_token_type_ids": kinds}
 
     return _hf_vlm_greedy(AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32),
                           pixel_inputs, prompts, max_new_tokens)

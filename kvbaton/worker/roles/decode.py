@@ -35,7 +35,8 @@ def prepare_receive(core: EngineCore, worker: WorkerContext, msg: PrepareReceive
     try:
         embeddings = received_embeddings(msg.embeddings)
         req = core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority,
-                               image_digests=[digest for digest, _ in embeddings])
+                               image_digests=[digest for digest, _ in embeddings],
+                               image_sizes=[(e.width, e.height) for e in msg.embeddings])
         reserved = core.reserve_for_transfer(req, msg.deadline_s, embeddings)
     except (InvalidRequestError, ValueError) as exc:
         worker.send(RequestFailed(worker.name, msg.request_id, str(exc)))

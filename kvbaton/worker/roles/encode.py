@@ -95,8 +95,8 @@ class EncodeRole(Role):
             sent = [to_bytes(e) for e in self.encoder.encode(msg.request_id, images)]
         finally:
             self.encoder.release(msg.request_id)
-        return [ImageEmbedding(digest=im.digest, dtype=e.dtype, rows=e.rows, cols=e.cols, data=e.data)
-                for im, e in zip(images, sent)]
+        return [ImageEmbedding(digest=im.digest, dtype=e.dtype, rows=e.rows, cols=e.cols, data=e.data,
+                               width=im.width, height=im.height) for im, e in zip(images, sent)]
 
     def _abort(self, msg: AbortRequests) -> None:
         aborted = set(msg.request_ids)

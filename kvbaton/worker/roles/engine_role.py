@@ -178,8 +178,9 @@ class EngineRole(Role):
         try:
             embeddings = received_embeddings(msg.embeddings)
             digests = [im.digest for im in images] or [digest for digest, _ in embeddings]
+            sizes = [(im.width, im.height) for im in images] or [(e.width, e.height) for e in msg.embeddings]
             req = self.core.new_request(msg.request_id, msg.prompt_token_ids, msg.params, msg.priority,
-                                        msg.remote_decode, digests)
+                                        msg.remote_decode, digests, sizes)
             self.core.add_request(req, images, embeddings)
         except (InvalidRequestError, ValueError, RuntimeError) as exc:  # RuntimeError: an image the tower refused
             logger.warning("refused request %s: %s", msg.request_id, exc)
