@@ -25,13 +25,16 @@ SUPPORTED_ARCHITECTURES = {
     "Idefics3ForConditionalGeneration": "llama",  # SmolVLM (and Idefics3): the same
     "SmolVLMForConditionalGeneration": "llama",  # SmolVLM2
     "Qwen2VLForConditionalGeneration": "qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2",
 }
 # the vision-language architectures: which encoder (`mm/`) turns their images into the text model's embeddings
 VISION_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava", "Idefics3ForConditionalGeneration": "idefics3",
                         "SmolVLMForConditionalGeneration": "idefics3",  # SmolVLM2: Idefics3's images, renamed
-                        "Qwen2VLForConditionalGeneration": "qwen2_vl"}
+                        "Qwen2VLForConditionalGeneration": "qwen2_vl",
+                        "Qwen2_5_VLForConditionalGeneration": "qwen2_vl"}  # Qwen2.5-VL: another tower, same images
 _VISION_TEXT_MODELS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",  # text_config's
-                       "qwen2_vl_text": "qwen2", "qwen2_vl": "qwen2"}  # (older Qwen2-VL configs: no text_config)
+                       "qwen2_vl_text": "qwen2", "qwen2_vl": "qwen2",  # (older Qwen2-VL configs: no text_config)
+                       "qwen2_5_vl_text": "qwen2", "qwen2_5_vl": "qwen2"}
 _QWEN_LIKE = ("qwen2", "qwen2_moe")  # q/k/v projections carry a bias
 _PER_HEAD_QK_NORM = ("qwen3", "qwen3_moe")
 

@@ -117,18 +117,21 @@ class Idefics3Encoder:
 
 
 class Qwen2VLEncoder:
-    """Qwen2-VL: the processor resizes an image to whole patches within its pixel bounds (`mm/dynamic_resolution.py`)
-    and flattens them; the ViT encodes them with 2-D rotary positions and the merger folds each 2 x 2 patches into
-    one embedding of the text model's width: as many as the image's run of placeholders."""
+    """Qwen2-VL and Qwen2.5-VL (whose ViT attends within windows in most blocks): the processor resizes an image
+    to whole patches within its pixel bounds (`mm/dynamic_resolution.py`) and flattens them; the ViT encodes them
+    with 2-D rotary positions and the merger folds each 2 x 2 patches into one embedding of the text model's
+    width: as many as the image's run of placeholders."""
 
     def __init__(self, model_dir: Path, dtype: torch.dtype) -> None:
         from transformers import AutoConfig, AutoImageProcessor
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
         config = AutoConfig.from_pretrained(str(model_dir))
         self.dtype = dtype
-        self.tower: torch.nn.Module = cast(torch.nn.Module, Qwen2VisionTransformerPretrainedModel._from_config(
-            config.vision_config))
+        tower = (Qwen2_5_VisionTransformerPretrainedModel if config.model_type == "qwen2_5_vl"
+                 else Qwen2VisionTransformerPretrainedModel)
+        self.tower: torch.nn.Module = cast(torch.nn.Module, tower._from_config(config.vision_config))
         _load_parts(model_dir, {"visual.": self.tower})
         self.tower.to(dtype).eval().requires_grad_(False)
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))

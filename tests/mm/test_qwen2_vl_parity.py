@@ -1,10 +1,10 @@
-"""Qwen2-VL through kvbaton's engine: an image is one run of placeholders as long as its size asks (dynamic
-resolution), and its placeholders take (t, row, column) positions rotated by sections of the head's frequencies
-(multimodal RoPE), the text after it behind its index. The frontend lays the placeholders out from the image's size
-as transformers' processor does, and greedy fp32 output is token-identical to transformers' on a tiny random
-checkpoint: images of different sizes, several in a prompt, an image first, text-only prompts in the same batch,
-chunked prefill through an image, decode steps far past the prompt, and prefix caching that shares KV for the same
-image only."""
+"""Qwen2-VL and Qwen2.5-VL through kvbaton's engine: an image is one run of placeholders as long as its size asks
+(dynamic resolution), and its placeholders take (t, row, column) positions rotated by sections of the head's
+frequencies (multimodal RoPE), the text after it behind its index. The frontend lays the placeholders out from the
+image's size as transformers' processor does, and greedy fp32 output is token-identical to transformers' on tiny
+random checkpoints of both: images of different sizes, several in a prompt, an image first, text-only prompts in
+the same batch, chunked prefill through an image, decode steps past the prompt, and prefix caching that shares KV
+for the same image only."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory, default_model_dir):
-    model = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2vl"), default_model_dir)
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def qwen2_vl(request, tmp_path_factory, default_model_dir):
+    model = build_tiny_qwen2_vl(tmp_path_factory.mktemp(request.param), default_model_dir, family=request.param)
     prompts = [(qwen2_vl_prompt_ids(model, messages, images), images) for messages, images in CHATS]
     return model, prompts, hf_qwen2_vl_greedy(model, prompts, MAX_NEW)
 

@@ -335,11 +335,13 @@ QWEN2_VL_CHAT_TEMPLATE = (
 QWEN2_VL_MAX_PIXELS = 28 * 28 * 16  # at most 16 placeholders an image
 
 
-def build_tiny_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
-    """A random-weight Qwen2-VL (a 2-block ViT of 14-pixel patches merged 2 x 2, a tiny Qwen2 with multimodal
-    RoPE sections 2 + 3 + 3) saved as Qwen's checkpoints are: config, weights, the default model's tokenizer with
+def build_tiny_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0, family: str = "qwen2_vl") -> Path:
+    """A random-weight Qwen2-VL (`family` "qwen2_vl"; "qwen2_5_vl": Qwen2.5-VL, whose ViT attends within windows
+    but for its last block) of a 2-block ViT of 14-pixel patches merged 2 x 2 and a tiny Qwen2 with multimodal
+    RoPE sections 2 + 3 + 3, saved as Qwen's checkpoints are: config, weights, the default model's tokenizer with
     Qwen2-VL's vision tokens added, and the image processor (56 x 56 to 112 x 112 pixels' worth)."""
-    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    import transformers
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -352,13 +354,20 @@ def build_tiny_qwen2_vl(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Pa
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6,
                 initializer_range=0.2, eos_token_id=None, bos_token_id=None, pad_token_id=0,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, initializer_range=0.2)
-    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    if family == "qwen2_vl":
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, initializer_range=0.2)
+    else:  # windows of 56 pixels: a 112-pixel image has four
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                      initializer_range=0.2)
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL"}[family]
+    cfg = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    Qwen2VLForConditionalGeneration(cfg).float().save_pretrained(str(out_dir))
+    getattr(transformers, f"{prefix}ForConditionalGeneration")(cfg).float().save_pretrained(str(out_dir))
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=QWEN2_VL_MAX_PIXELS).save_pretrained(str(out_dir))
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
