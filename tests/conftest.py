@@ -70,7 +70,7 @@ IN_PROCESS = ("tests/cluster/test_autoscale.py", "tests/server/test_admission_co
 def work_unit(nodeid: str) -> str:
     """What one xdist worker runs whole: every end-to-end test together, else the test's module."""
     module = nodeid.split("::")[0]
-    return "end-to-end" if module.startswith(END_TO_END) and module not in IN_PROCESS else module
+    return "end-to-end" if module.startswith(END_TO_END) and module not in IN_PROCESS + BESIDE else module
 
 
 # The modules whose in-process engines hold the default model (the budget report's "raised by"): each peaks ~1 GiB
