@@ -39,7 +39,7 @@ def test_the_grid_is_the_processors(grid, width, height):
 def test_the_prompt_is_the_processors(default_model_dir, tmp_path):
     from transformers import Idefics3Processor
 
-    from tests.support.helpers import build_tiny_idefics3
+    from tests.support.vision import build_tiny_idefics3
 
     model = build_tiny_idefics3(tmp_path / "m", default_model_dir)
     proc = Idefics3Processor.from_pretrained(str(model))
