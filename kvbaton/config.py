@@ -269,18 +269,18 @@ def _parse_vision(arch_names: list[str], hf: dict) -> VisionSpec | None:
     encoder = next((VISION_ARCHITECTURES[a] for a in arch_names if a in VISION_ARCHITECTURES), None)
     if encoder is None:
         return None
-    vision = hf["vision_config"]
-    patches = (int(vision.get("image_size", 0)) // int(vision["patch_size"])) ** 2
+    image_token = hf.get("image_token_id", hf.get("image_token_index"))
+    if not isinstance(image_token, int):
+        raise ConfigError("a vision-language config needs image_token_id (or image_token_index)")
     if encoder == "qwen2_vl":  # as many as the image's size asks
-        return VisionSpec(encoder=encoder, image_token_id=int(hf["image_token_id"]), tokens_per_image=0,
+        return VisionSpec(encoder=encoder, image_token_id=image_token, tokens_per_image=0,
                           mrope_section=_mrope_section(hf))
+    vision = hf["vision_config"]
+    patches = (int(vision["image_size"]) // int(vision["patch_size"])) ** 2
     if encoder == "idefics3":  # the connector folds scale x scale patches into one token
         tokens = patches // int(hf.get("scale_factor", 2)) ** 2
     else:  # LLaVA's "default" strategy drops the CLS position; "full" keeps it
         tokens = patches + (hf.get("vision_feature_select_strategy", "default") == "full")
-    image_token = hf.get("image_token_id", hf.get("image_token_index"))
-    if not isinstance(image_token, int):
-        raise ConfigError("a vision-language config needs image_token_id (or image_token_index)")
     return VisionSpec(encoder=encoder, image_token_id=image_token, tokens_per_image=tokens)
 
 
