@@ -254,14 +254,15 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json in model directory {model_dir}")
+        hf = json.loads(path.read_text())
         try:
-            config = cls.from_hf_dict(json.loads(path.read_text()))
+            config = cls.from_hf_dict(hf)
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"{path}: missing or invalid field {exc}") from exc
         if config.vision is not None and config.vision.encoder == "idefics3":
             config = replace(config, vision=_with_tiles(config.vision, Path(model_dir)))
         if config.vision is not None and config.vision.encoder == "qwen2_vl":
-            config = replace(config, vision=_with_resolution(config.vision, Path(model_dir)))
+            config = replace(config, vision=_with_resolution(config.vision, Path(model_dir), hf))
         return config
 
 
@@ -328,9 +329,8 @@ def _mrope_section(hf: dict) -> tuple[int, ...]:
     return tuple(int(n) for n in section)
 
 
-def _with_resolution(vision: VisionSpec, model_dir: Path) -> VisionSpec:
-    """Qwen2-VL's resize bounds (from its image processor's settings) and patch sizes (from config.json)."""
-    hf = json.loads((model_dir / "config.json").read_text())
+def _with_resolution(vision: VisionSpec, model_dir: Path, hf: dict) -> VisionSpec:
+    """Qwen2-VL's resize bounds (from its image processor's settings) and patch sizes (from config.json, `hf`)."""
     settings = image_processor_settings(model_dir)
     size = settings.get("size") or {}
     try:

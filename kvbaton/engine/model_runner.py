@@ -222,7 +222,8 @@ class ModelRunner:
         tokens = [s.token_ids[0] for s in decodes]
         loop = self.model.layer_loop
         # the whole burst in one C call (over this runner's pools), unless a request's RoPE runs behind its index
-        if loop is not None and loop.bursts(len(decodes)) and not any(s.request_id in self.mrope for s in decodes):
+        if loop is not None and loop.bursts(len(decodes)) and not (
+                self.mrope and any(s.request_id in self.mrope for s in decodes)):
             _, table = self._decode_table(decodes, [s.start_position + steps - 1 for s in decodes])
             out = loop.burst(torch.tensor(tokens, dtype=torch.long),
                              torch.tensor([s.start_position for s in decodes], dtype=torch.long), table, steps)

@@ -10,17 +10,18 @@ from __future__ import annotations
 import math
 
 from kvbaton.config import DynamicResolution
+from kvbaton.sched.sampling_params import InvalidRequestError
 
 MAX_ASPECT = 200  # the processor refuses images longer than this many times their width (or the reverse)
 
 
 def resized(res: DynamicResolution, width: int, height: int) -> tuple[int, int]:
     """(width, height) the processor resizes an image to: whole multiples of `patch * merge`, the aspect kept as
-    closely as they allow, the area within [min_pixels, max_pixels]. ValueError past MAX_ASPECT."""
+    closely as they allow, the area within [min_pixels, max_pixels]. InvalidRequestError past MAX_ASPECT."""
     if width < 1 or height < 1:
-        raise ValueError(f"an image of {width}x{height} pixels")
+        raise InvalidRequestError(f"an image of {width}x{height} pixels")
     if max(width, height) > MAX_ASPECT * min(width, height):
-        raise ValueError(f"an image of {width}x{height} pixels: its sides may differ by {MAX_ASPECT}x at most")
+        raise InvalidRequestError(f"an image of {width}x{height} pixels: its sides may differ by {MAX_ASPECT}x at most")
     factor = res.patch * res.merge
     h, w = round(height / factor) * factor, round(width / factor) * factor
     if h * w > res.max_pixels:

@@ -31,17 +31,19 @@ def _runs(vision: VisionSpec, token_ids: Sequence[int]) -> list[tuple[int, int]]
     return runs
 
 
-def _by_image(vision: VisionSpec, token_ids: Sequence[int], runs: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+def _by_image(vision: VisionSpec, token_ids: Sequence[int],
+              runs: list[tuple[int, int]]) -> tuple[list[list[tuple[int, int]]], bool]:
     """The runs grouped by image: each its own, or with tiles, up to the run after `<global-img>` (the global
-    image's, an image's last); runs after the last such are a group that never closed (an error)."""
+    image's, an image's last); and whether the last group closed so (runs after it are an error)."""
     if vision.tiles is None:
-        return [[run] for run in runs]
+        return [[run] for run in runs], True
     groups: list[list[tuple[int, int]]] = [[]]
     for start, n in runs:
         groups[-1].append((start, n))
         if start > 0 and token_ids[start - 1] == vision.global_image_token_id:
             groups.append([])
-    return groups if groups[-1] else groups[:-1]
+    closed = not groups[-1]
+    return (groups[:-1] if closed else groups), closed
 
 
 def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Sequence[str],
@@ -57,10 +59,8 @@ def image_spans(vision: VisionSpec | None, token_ids: Sequence[int], digests: Se
     runs = _runs(vision, token_ids)
     if vision.resolution is not None:
         return _sized_spans(vision.resolution, runs, digests, sizes)
-    groups = _by_image(vision, token_ids, runs)
-    if len(groups) != len(digests) or any(n != vision.tokens_per_image for _, n in runs) or any(
-            vision.tiles is not None and not (g[-1][0] > 0 and token_ids[g[-1][0] - 1] == vision.global_image_token_id)
-            for g in groups):
+    groups, closed = _by_image(vision, token_ids, runs)
+    if not closed or len(groups) != len(digests) or any(n != vision.tokens_per_image for _, n in runs):
         shape = "each image's runs end with the global image's" if vision.tiles is not None else "each image takes"
         raise InvalidRequestError(f"the prompt holds {sum(n for _, n in runs)} image tokens ({vision.image_token_id}) "
                                   f"for {len(digests)} image(s): {shape} {vision.tokens_per_image} in a row")
@@ -79,10 +79,7 @@ def _sized_spans(resolution: DynamicResolution, runs: list[tuple[int, int]], dig
     for i, ((start, n), digest) in enumerate(zip(runs, digests)):
         grid: tuple[int, ...] = ()
         if sizes:
-            try:
-                grid = merged_grid(resolution, *sizes[i])
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
+            grid = merged_grid(resolution, *sizes[i])
             if grid[0] * grid[1] != n:
                 raise InvalidRequestError(f"image {i} of {sizes[i][0]}x{sizes[i][1]} pixels takes {grid[0] * grid[1]} "
                                           f"image tokens, the prompt holds {n} for it")
@@ -107,10 +104,7 @@ class Placeholders:
     def for_image(self, width: int, height: int) -> list[int]:
         vision = self.vision
         if vision.resolution is not None:
-            try:
-                rows, cols = merged_grid(vision.resolution, width, height)
-            except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from None
+            rows, cols = merged_grid(vision.resolution, width, height)
             return [vision.image_token_id] * (rows * cols)
         if vision.tiles is None:
             return [vision.image_token_id] * vision.tokens_per_image

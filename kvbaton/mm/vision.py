@@ -25,9 +25,9 @@ class ImageEncoder(Protocol):
         ...
 
 
-def _load_parts(model_dir: Path, parts: dict[str, torch.nn.Module]) -> None:
+def _load_parts(model_dir: Path, parts: dict[str, torch.nn.Module], dtype: torch.dtype) -> None:
     """Each module of `parts` from the checkpoint's weights under its prefix (after an optional `model.`), all
-    of them or a ConfigError."""
+    of them or a ConfigError; then in `dtype`, for inference only."""
     weights: dict[str, dict[str, torch.Tensor]] = {prefix: {} for prefix in parts}
     for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
@@ -42,6 +42,8 @@ def _load_parts(model_dir: Path, parts: dict[str, torch.nn.Module]) -> None:
     except RuntimeError as exc:
         raise ConfigError(f"{model_dir}: the vision tower's or projector's weights do not fit its config: "
                           f"{str(exc)[:300]}") from None
+    for module in parts.values():
+        module.to(dtype).eval().requires_grad_(False)
 
 
 class LlavaEncoder:
@@ -58,9 +60,7 @@ class LlavaEncoder:
         self.keep_cls = config.vision_feature_select_strategy == "full"
         self.tower = AutoModel.from_config(config.vision_config)
         self.projector = LlavaMultiModalProjector(config)
-        _load_parts(model_dir, {"vision_tower.": self.tower, "multi_modal_projector.": self.projector})
-        self.tower.to(dtype).eval().requires_grad_(False)
-        self.projector.to(dtype).eval().requires_grad_(False)
+        _load_parts(model_dir, {"vision_tower.": self.tower, "multi_modal_projector.": self.projector}, dtype)
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
 
     @torch.inference_mode()
@@ -96,9 +96,7 @@ class Idefics3Encoder:
         # (typed as a plain module: transformers' decorated `PreTrainedModel.to` confuses mypy)
         self.tower: torch.nn.Module = cast(torch.nn.Module, tower(config.vision_config))
         self.connector: torch.nn.Module = connector(config)
-        _load_parts(model_dir, {"vision_model.": self.tower, "connector.": self.connector})
-        self.tower.to(dtype).eval().requires_grad_(False)
-        self.connector.to(dtype).eval().requires_grad_(False)
+        _load_parts(model_dir, {"vision_model.": self.tower, "connector.": self.connector}, dtype)
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
 
     @torch.inference_mode()
@@ -132,8 +130,7 @@ class Qwen2VLEncoder:
         tower = (Qwen2_5_VisionTransformerPretrainedModel if config.model_type == "qwen2_5_vl"
                  else Qwen2VisionTransformerPretrainedModel)
         self.tower: torch.nn.Module = cast(torch.nn.Module, tower._from_config(config.vision_config))
-        _load_parts(model_dir, {"visual.": self.tower})
-        self.tower.to(dtype).eval().requires_grad_(False)
+        _load_parts(model_dir, {"visual.": self.tower}, dtype)
         self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
 
     @torch.inference_mode()

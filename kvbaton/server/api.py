@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvbaton.config import ConfigError
 from kvbaton.messages.router_worker import ImagePixels
-from kvbaton.mm.images import DecodedImage, ImageDecoder, ImageHold, ImageRefused
+from kvbaton.mm.images import DecodedImage, ImageDecoder, ImageHold
 from kvbaton.mm.placeholders import Placeholders
 from kvbaton.router.errors import EngineError
 from kvbaton.sched.sampling_params import InvalidRequestError, SamplingParams
@@ -36,7 +36,7 @@ from kvbaton.server.choices import merged, request_choices, tool_chunks
 from kvbaton.server.closing_stream import ClosingStreamingResponse
 from kvbaton.server.diagnostics import add_diagnostic_routes
 from kvbaton.server.engine_client import EngineClient
-from kvbaton.server.errors import ApiError, HttpError, http_error
+from kvbaton.server.errors import ApiError, HttpError, decoded_images, http_error
 from kvbaton.server.grammars import GrammarCheck
 from kvbaton.server.guards import AccessCheck, AdminAccess, BodyLimit
 from kvbaton.server.kv_sessions import KVSessions, add_kv_session_routes
@@ -214,11 +214,7 @@ class OpenAIServer:
         if self.client.info.vision is None:
             raise ApiError(400, f"the model {self.settings.served_model_name!r} does not take images",
                            "BadRequestError", "messages")
-        try:
-            return await self.images.decode_all(urls, hold)
-        except ImageRefused as exc:
-            error = "ServiceUnavailableError" if exc.status == 503 else "BadRequestError"
-            raise ApiError(exc.status, f"messages: {exc}", error, "messages") from None
+        return await decoded_images(self.images, urls, hold)
 
     def _with_placeholders(self, token_ids: list[int], images: list[DecodedImage]) -> list[int]:
         assert self.placeholders is not None, "checked by _images"

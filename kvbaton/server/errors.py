@@ -14,6 +14,7 @@ from typing import NamedTuple
 from fastapi.responses import JSONResponse
 
 from kvbaton.config import ConfigError
+from kvbaton.mm.images import DecodedImage, ImageDecoder, ImageHold, ImageRefused
 from kvbaton.router.errors import EngineError
 from kvbaton.sched.sampling_params import InvalidRequestError
 from kvbaton.server.protocol import error_body
@@ -26,6 +27,16 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.param = status, message, err_type, param
+
+
+async def decoded_images(decoder: ImageDecoder, urls: list[str], hold: ImageHold) -> list[DecodedImage]:
+    """A chat's images, decoded off the loop and held by `hold`; an ApiError naming why one is refused (a 503
+    for a full decoder, else a 400 or 413)."""
+    try:
+        return await decoder.decode_all(urls, hold)
+    except ImageRefused as exc:
+        error = "ServiceUnavailableError" if exc.status == 503 else "BadRequestError"
+        raise ApiError(exc.status, f"messages: {exc}", error, "messages") from None
 
 
 class HttpError(NamedTuple):

@@ -20,10 +20,10 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from kvbaton import __version__
-from kvbaton.mm.images import ImageDecoder, ImageHold, ImageRefused
+from kvbaton.mm.images import ImageDecoder, ImageHold
 from kvbaton.mm.placeholders import Placeholders
 from kvbaton.sched.sampling_params import InvalidRequestError
-from kvbaton.server.errors import ApiError
+from kvbaton.server.errors import ApiError, decoded_images
 from kvbaton.server.guards import bearer_matches
 from kvbaton.server.prompts import PromptEncoder
 from kvbaton.server.protocol import ChatMessage, TokenIds, plain_messages, utf8_text
@@ -99,10 +99,7 @@ class Tokenization:
             return [(0, 0)] * len(urls)
         hold = ImageHold(self.images)
         try:
-            decoded = await self.images.decode_all(urls, hold)
-        except ImageRefused as exc:
-            error = "ServiceUnavailableError" if exc.status == 503 else "BadRequestError"
-            raise ApiError(exc.status, f"messages: {exc}", error, "messages") from None
+            decoded = await decoded_images(self.images, urls, hold)
         finally:
             hold.release()
         return [(im.width, im.height) for im in decoded]

@@ -12,7 +12,13 @@ from PIL import Image
 
 from kvbaton import LLM, SamplingParams
 from kvbaton.sched.sampling_params import InvalidRequestError
-from tests.support.helpers import LLAVA_IMAGE_TOKEN, LLAVA_TOKENS_PER_IMAGE, build_tiny_llava, hf_llava_greedy
+from tests.support.helpers import (
+    LLAVA_IMAGE_TOKEN,
+    LLAVA_TOKENS_PER_IMAGE,
+    build_tiny_llava,
+    engine_vlm_greedy,
+    hf_llava_greedy,
+)
 
 MAX_NEW = 8
 
@@ -56,10 +62,7 @@ def llava(tmp_path_factory):
 
 
 def generate(llm: LLM, prompts) -> list[list[int]]:
-    inputs = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else
-              {"prompt_token_ids": ids} for ids, images in prompts]
-    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return engine_vlm_greedy(llm, prompts, MAX_NEW)
 
 
 def test_a_mixed_batch_of_image_and_text_prompts_matches_transformers(llava):

@@ -18,10 +18,11 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from kvbaton import LLM, SamplingParams
+from kvbaton import LLM
 from kvbaton.config import ModelConfig
 from kvbaton.mm.placeholders import Placeholders
 from kvbaton.text.tokenizer import Tokenizer
+from tests.support.helpers import engine_vlm_greedy
 from tests.support.vision import FAMILIES, picture, template_messages
 
 MAX_NEW = 12
@@ -49,10 +50,7 @@ def family(request, tmp_path_factory, default_model_dir):
 
 
 def generate(llm: LLM, prompts) -> list[list[int]]:
-    inputs = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else
-              {"prompt_token_ids": ids} for ids, images in prompts]
-    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
+    return engine_vlm_greedy(llm, prompts, MAX_NEW)
 
 
 def test_the_frontend_lays_out_the_processors_placeholders(family):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.support.server import served, stats, wait_idle
-from tests.support.vision import FAMILIES, api_messages, check_served_chats, encoded, picture
+from tests.support.server import stats, wait_idle
+from tests.support.vision import FAMILIES, api_messages, check_served_chats, encoded, picture, served_family
 from tests.support.wait import wait_until
 
 MAX_NEW = 10
@@ -21,11 +21,11 @@ MAX_NEW = 10
 
 @pytest.fixture(scope="module")
 def qwen2_vl_server(tmp_path_factory, default_model_dir):
-    model = FAMILIES["qwen2_vl"].build(tmp_path_factory.mktemp("qwen2vl"), default_model_dir)
     # NOTE: every chat here is longer than 8 tokens: all go through the prefill worker
-    with served("--model", str(model), "--dtype", "float32", "--max-model-len", "1024", "--encode", "1",
-                "--prefill", "1", "--decode", "1", "--kv-transport", "tcp", "--local-prefill-threshold", "8") as server:
-        yield model, server
+    with served_family("qwen2_vl", tmp_path_factory.mktemp("qwen2vl"), default_model_dir, "--encode", "1",
+                       "--prefill", "1", "--decode", "1", "--kv-transport", "tcp",
+                       "--local-prefill-threshold", "8") as s:
+        yield s
 
 
 def test_image_chats_answer_transformers_tokens_through_the_encoder_and_prefill_workers(qwen2_vl_server):

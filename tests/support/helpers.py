@@ -247,6 +247,17 @@ def hf_llava_greedy(model_dir: Path, prompts: list[tuple[list[int], list]], max_
                           pixel_inputs, prompts, max_new_tokens)
 
 
+def engine_vlm_greedy(llm, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
+    """kvbaton's greedy tokens for each (token ids, PIL images) prompt, all in one `generate` (one batch)."""
+    from kvbaton import SamplingParams
+
+    inputs = [{"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images else
+              {"prompt_token_ids": ids} for ids, images in prompts]
+    outs = llm.generate(inputs, SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def hf_vlm_greedy(model, pixel_inputs, prompts: list[tuple[list[int], list]], max_new_tokens: int) -> list[list[int]]:
     """`model`'s greedy tokens for each (token ids, PIL images) prompt, `pixel_inputs(ids, images)` its image
     inputs."""

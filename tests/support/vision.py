@@ -6,10 +6,11 @@ serving tests of those families share. (LLaVA's: `tests/support/helpers.py`.)"""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 
 from tests.support.helpers import hf_vlm_greedy
+from tests.support.server import Served, served
 
 IDEFICS3_TILE = 32  # pixels of a tile's edge: 4 x 4 patches of 8, pixel-shuffled by 2 into 4 image tokens
 IDEFICS3_TOKENS_PER_TILE = 4
@@ -211,6 +213,14 @@ FAMILIES = {
     "qwen2_5_vl": Family(lambda out, tok: build_tiny_qwen2_vl(out, tok, family="qwen2_5_vl"), qwen2_vl_prompt_ids,
                          hf_qwen2_vl_greedy),
 }
+
+
+@contextlib.contextmanager
+def served_family(name: str, out_dir: Path, tokenizer_dir: Path, *flags: str) -> Iterator[tuple[Path, Served]]:
+    """A tiny checkpoint of the family served float32 with `flags` (stopped by PID on the way out)."""
+    model = FAMILIES[name].build(out_dir, tokenizer_dir)
+    with served("--model", str(model), "--dtype", "float32", "--max-model-len", "1024", *flags) as server:
+        yield model, server
 
 
 def picture(seed: int, size: tuple[int, int]) -> Image.Image:
